@@ -1,0 +1,95 @@
+"""Tiny, randomly initialised HF checkpoints built from real architecture configs.
+
+Tests, benchmarks and the embedded default run on CPU and may not download
+anything, so every checkpoint is made here: the architecture from a titan_ext
+flavor (Kimi-K2, GLM-5) or a small Qwen3-MoE, weights from transformers' own
+initialiser with a fixed seed, and a byte-level BPE tokenizer trained on a
+built-in corpus. `init_scale` rescales the weights: at the default 0.02 routing is
+near uniform and expert choices barely matter; 0.1-0.3 makes them matter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 512
+ARCHS = ("qwen3_moe", "kimi_k2", "glm5")
+
+
+def _corpus() -> list[str]:
+    words = "the a of to and in is it you that he was for on are with as his they be at one have this from".split()
+    lines = []
+    for i in range(2000):
+        a, b = (i * 7919) % 1000, (i * 104729) % 1000
+        lines.append(f"{a} + {b} = {a + b}. {words[i % len(words)]} {words[(i * 3) % len(words)]} answer: {a * b % 97}")
+    return lines
+
+
+def train_tokenizer(out_dir: Path) -> None:
+    """Byte-level BPE with VOCAB_SIZE entries, saved as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.save_pretrained(out_dir)
+
+
+def hf_config(arch: str, dtype: str):
+    import transformers
+
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype=dtype,
+        )
+    from titan_ext.models import get_arch
+
+    cfg = get_arch(arch, "tiny").to_hf_config()
+    cfg.update(bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype=dtype)
+    cls = transformers.CONFIG_MAPPING[cfg.pop("model_type")]
+    return cls(**{k: v for k, v in cfg.items() if k != "architectures"})
+
+
+def make_tiny_checkpoint(
+    arch: str, out_dir: str | Path, *, dtype: str = "float32", init_scale: float = 0.02, seed: int = 0
+) -> Path:
+    """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments)."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+    out = Path(out_dir)
+    stamp = out / "moerl_tiny.json"
+    meta = {"arch": arch, "dtype": dtype, "init_scale": init_scale, "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()) == meta:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(arch, dtype)
+    config.initializer_range = init_scale
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                continue
+            if p.dim() >= 2:
+                p.normal_(0.0, init_scale)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    train_tokenizer(out)
+    stamp.write_text(json.dumps(meta))
+    return out
