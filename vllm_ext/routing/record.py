@@ -73,9 +73,9 @@ _SET_PARAMS = struct.Struct("<BBBBQQ")  # hi_kind, b, rows_per_group, group_byte
 _DICT_PARAMS = struct.Struct("<BQ")  # index_bytes, dictionary body length
 _CRC = struct.Struct("<I")
 
-# A hi table has at most this many entries (each K ids): keeps decode tables
-# cache-friendly and the table build fast.
-_MAX_TABLE = 1 << 21
+# A hi table holds at most this many ids (entries x K): keeps decode tables
+# cache-friendly (<= 8 MB) and the table build fast.
+_MAX_TABLE_IDS = 1 << 22
 _MAX_EXPERTS = 1 << 16
 
 
@@ -262,38 +262,63 @@ class _SetLayout:
 
 
 _FAST_B = (0, 1, 2, 4, 8)
+# A joint table (all P^r combinations of r rows) is used at decode when it has
+# at most this many entries: one gather then decodes r rows.
+_JOINT_MAX = 1 << 16
+
+
+def _speed_class(lay: _SetLayout, p: int) -> int:
+    """0: one gather per group of rows; 1: byte-padding or division first;
+    2: generic bit widths or unary high parts (more numpy passes)."""
+    if lay.hi_kind == HI_UNARY or lay.b not in _FAST_B:
+        return 2
+    if lay.group_bytes in (0, 1, 2, 4, 8) and (lay.rows_per_group == 1 or p ** lay.rows_per_group <= _JOINT_MAX):
+        return 0
+    return 1
 
 
 @functools.lru_cache(maxsize=256)
 def _choose_layout(num_experts: int, k: int) -> _SetLayout:
-    """Smallest fixed-width set code for (E, K), preferring fast lo widths.
+    """Fixed-width set code for (E, K) trading a few percent of size for speed.
 
-    Fixed width per row (no entropy coder) keeps decoding vectorisable; the
-    size lands within a few percent of log2 C(E, K). Lo widths that divide a
-    byte decode with byte-wide numpy ops, so they win unless another width
-    saves more than 2% of the size.
+    Fixed width per row (no entropy coder) keeps decoding vectorisable; sizes
+    land within a few percent of log2 C(E, K). Each step of the speed class
+    (see _speed_class) must buy its cost with 8% of size, so e.g. (8, 2) uses
+    3 rows per 16-bit joint index (5.33 bits/row, one gather) rather than
+    8 rows per 40 bits (5.0 bits/row, seven divisions).
     """
     max_b = max(0, (num_experts - 1).bit_length())
-    options: list[_SetLayout] = []
+    options: list[tuple[float, _SetLayout]] = []
     for b in range(0, min(max_b, 8) + 1):
         h = -(-num_experts // (1 << b))
         if b == 0 and k > h:
             continue
         p = math.comb(h, k) if b == 0 else math.comb(h + k - 1, k)
-        if 1 < p <= _MAX_TABLE:
+        cands = []
+        if 1 < p and p * k <= _MAX_TABLE_IDS:
             for r in range(1, 9):
                 bits = math.ceil(r * math.log2(p))
                 if p ** r >= (1 << 64) or bits > 64:
                     break
-                options.append(_SetLayout(HI_RANK, b, r, -(-bits // 8)))
+                cands.append(_SetLayout(HI_RANK, b, r, -(-bits // 8)))
+                if bits <= 32:  # byte-aligned widths decode without padding
+                    for w in (2, 4):
+                        if w * 8 >= bits and w != -(-bits // 8):
+                            cands.append(_SetLayout(HI_RANK, b, r, w))
         elif p == 1:
-            options.append(_SetLayout(HI_RANK, b, 1, 0))  # hi carries nothing
+            cands.append(_SetLayout(HI_RANK, b, 1, 0))  # hi carries nothing
         if b > 0:
-            options.append(_SetLayout(HI_UNARY, b, 1, -(-(k + h) // 8)))
-    best = min(o.bits_per_row(k) for o in options)
-    fast = [o for o in options if o.b in _FAST_B and o.bits_per_row(k) <= 1.01 * best]
-    pool = fast or [o for o in options if o.bits_per_row(k) == best]
-    return min(pool, key=lambda o: (o.bits_per_row(k), o.table_size(num_experts, k) if o.hi_kind == HI_RANK else 0))
+            cands.append(_SetLayout(HI_UNARY, b, 1, -(-(k + h) // 8)))
+        for c in cands:
+            options.append((c.bits_per_row(k) * (1 + 0.08 * _speed_class(c, p)), c))
+    target = max(0.4 * 8 * baseline_bytes_per_token(num_experts, k, 1), 1.1 * floor_bits_per_row(num_experts, k))
+    # Table-based layouts decode several times faster than unary high parts:
+    # use them whenever one meets the compression target.
+    eligible = [o for o in options if o[1].hi_kind == HI_RANK and o[1].bits_per_row(k) <= target]
+    if not eligible:
+        best = min(o[1].bits_per_row(k) for o in options)
+        eligible = [o for o in options if o[1].bits_per_row(k) <= 1.08 * best]
+    return min(eligible, key=lambda o: (o[0], o[1].bits_per_row(k)))[1]
 
 
 # --------------------------------------------------------------------------
@@ -337,13 +362,21 @@ def _unpack_lo(buf: memoryview, n: int, b: int) -> np.ndarray:
     raw = np.frombuffer(buf, dtype=np.uint8)
     if b == 8:
         return raw
-    if 8 % b == 0:
-        per = 8 // b
-        mask = np.uint8((1 << b) - 1)
-        out = np.empty((raw.size, per), dtype=np.uint8)
-        for j in range(per):
-            np.bitwise_and(raw >> np.uint8(j * b), mask, out=out[:, j])
-        return out.reshape(-1)[:n]
+    # Spread each byte's fields into whole bytes with wide-integer shifts and
+    # one mask (contiguous SIMD passes instead of per-field strided writes).
+    if b == 1:
+        return np.unpackbits(raw, bitorder="little")[:n]
+    if b == 2:
+        x = raw.astype(np.uint32)
+        y = x | (x << np.uint32(6))
+        y |= y << np.uint32(12)
+        y &= np.uint32(0x03030303)
+        return y.view(np.uint8)[:n]
+    if b == 4:
+        x = raw.astype(np.uint16)
+        x |= x << np.uint16(4)
+        x &= np.uint16(0x0F0F)
+        return x.view(np.uint8)[:n]
     groups = -(-n // 8)
     padded = np.zeros(groups * b + 8, dtype=np.uint8)
     padded[: raw.size] = raw
@@ -362,10 +395,13 @@ def _read_uint_le(buf: memoryview, count: int, width: int) -> np.ndarray:
         raise ValueError(f"section has {len(buf)} bytes, expected {count * width}")
     if width in (1, 2, 4, 8):
         return np.frombuffer(buf, dtype=f"<u{width}").astype(np.uint64, copy=False)
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    out = np.zeros((count, 8), dtype=np.uint8)
-    out[:, :width] = raw.reshape(count, width)
-    return out.view("<u8").reshape(-1)
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64)
+    # unaligned 8-byte loads at a stride of `width` bytes, then mask
+    padded = np.zeros(count * width + 8, dtype=np.uint8)
+    padded[: count * width] = np.frombuffer(buf, dtype=np.uint8)
+    words = np.ndarray((count,), dtype="<u8", buffer=padded, offset=0, strides=(width,))
+    return words & np.uint64((1 << (8 * width)) - 1)
 
 
 def _write_uint_le(vals: np.ndarray, width: int) -> bytes:
@@ -410,48 +446,95 @@ def _encode_rows(rows: np.ndarray, num_experts: int) -> tuple[_SetLayout, bytes,
     return lay, hi_bytes, lo_bytes
 
 
+@functools.lru_cache(maxsize=32)
+def _joint_table(h: int, k: int, multiset: bool, dtype_str: str, shift: int, r: int) -> np.ndarray:
+    """All P^r combinations of r table rows, so one gather decodes r rows.
+
+    Entry ``i0 + P*i1 + P^2*i2 ...`` is ``table[i0] ++ table[i1] ++ ...``,
+    matching how the encoder combines r rows' indices.
+    """
+    base = _hi_table(h, k, multiset, dtype_str, shift)
+    p = base.shape[0]
+    codes = np.arange(p ** r, dtype=np.int64)
+    parts = []
+    for _ in range(r):
+        parts.append(base[codes % p])
+        codes //= p
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def _take_rows(table: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """table[idx] for 2-D tables; gathers whole rows as one integer when the
+    row is 1, 2, 4 or 8 bytes (several times faster than a row gather)."""
+    rowbytes = table.shape[1] * table.itemsize
+    try:
+        if rowbytes in (1, 2, 4, 8):
+            flat = table.view(f"<u{rowbytes}").reshape(-1)
+            return flat.take(idx).view(table.dtype).reshape(-1, table.shape[1])
+        return table.take(idx, axis=0)
+    except IndexError as exc:
+        raise ValueError(f"hi index out of range (table has {table.shape[0]} entries): payload is corrupt") from exc
+
+
 def _decode_rows(lay: _SetLayout, hi_buf: memoryview, lo_buf: memoryview, n: int, k: int,
                  num_experts: int) -> np.ndarray:
-    """Inverse of _encode_rows; validates every row (range, strictly increasing)."""
+    """Inverse of _encode_rows; validates every row (range, strictly increasing).
+
+    Validation is skipped only where the structure makes a bad row impossible:
+    with b == 0 every table row is a valid set of ids < E.
+    """
     dt = id_dtype(num_experts)
     b = lay.b
     h = lay.hi_universe(num_experts)
     if lay.hi_kind == HI_RANK:
         p = lay.table_size(num_experts, k)
-        table = _hi_table(h, k, b > 0, dt.str, b)
         if p > 1:
             r = lay.rows_per_group
             groups = -(-n // r)
-            combined = _read_uint_le(hi_buf, groups, lay.group_bytes)
-            if r == 1:
-                idx = combined
+            gb = lay.group_bytes
+            if gb in (1, 2, 4, 8):
+                if len(hi_buf) != groups * gb:
+                    raise ValueError(f"hi section has {len(hi_buf)} bytes, expected {groups * gb}")
+                combined = np.frombuffer(hi_buf, dtype=f"<u{gb}")
             else:
-                idx = np.empty((groups, r), dtype=np.uint64)
+                combined = _read_uint_le(hi_buf, groups, gb)
+            if r == 1:
+                ids = _take_rows(_hi_table(h, k, b > 0, dt.str, b), combined)
+            elif p ** r <= _JOINT_MAX:
+                ids = _take_rows(_joint_table(h, k, b > 0, dt.str, b, r), combined).reshape(groups * r, k)[:n]
+            else:
+                combined = combined.astype(np.uint64, copy=False)
+                table = _hi_table(h, k, b > 0, dt.str, b)
+                out = np.empty((groups, r, k), dtype=dt)
+                rowbytes = k * dt.itemsize
+                # write whole rows as one integer when possible (strided
+                # byte-row copies are several times slower)
+                dst = out.view(f"<u{rowbytes}").reshape(groups, r) if rowbytes in (1, 2, 4, 8) else out
+                cast = (lambda a: a.view(f"<u{rowbytes}").reshape(-1)) if dst is not out else (lambda a: a)
                 pp = np.uint64(p)
                 for j in range(r - 1):
                     q = combined // pp
-                    idx[:, j] = combined - q * pp
+                    dst[:, j] = cast(_take_rows(table, combined - q * pp))
                     combined = q
-                idx[:, r - 1] = combined
-                idx = idx.reshape(-1)
-            if idx.size and int(idx.max()) >= p:
-                raise ValueError("hi index out of range: payload is corrupt")
-            ids = table.take(idx[:n].astype(np.intp), axis=0)
+                dst[:, r - 1] = cast(_take_rows(table, combined))
+                ids = out.reshape(groups * r, k)[:n]
         else:
             if len(hi_buf):
                 raise ValueError("unexpected hi section")
-            ids = np.broadcast_to(table[0], (n, k)).copy()
+            ids = np.broadcast_to(_hi_table(h, k, b > 0, dt.str, b)[0], (n, k)).copy()
     else:
         width = lay.group_bytes
         if len(hi_buf) != n * width:
             raise ValueError(f"hi section has {len(hi_buf)} bytes, expected {n * width}")
-        raw = np.frombuffer(hi_buf, dtype=np.uint8).reshape(n, width)
-        bits = np.unpackbits(raw, axis=1, bitorder="little")
-        rr, cc = np.nonzero(bits)
-        if rr.size != n * k or (n and not np.array_equal(rr.reshape(n, k)[:, 0], np.arange(n))) \
-                or (n and not (rr.reshape(n, k) == rr.reshape(n, k)[:, :1]).all()):
+        bits = np.unpackbits(np.frombuffer(hi_buf, dtype=np.uint8), bitorder="little").view(bool)
+        pos = np.flatnonzero(bits)
+        if pos.size != n * k:
             raise ValueError("unary hi section does not have top_k ones per row: payload is corrupt")
-        hi = cc.reshape(n, k) - np.arange(k)
+        pos = pos.reshape(n, k)
+        row_start = np.arange(n, dtype=np.int64)[:, None] * (width * 8)
+        if n and not ((pos[:, 0] >= row_start[:, 0]).all() and (pos[:, -1] < row_start[:, 0] + width * 8).all()):
+            raise ValueError("unary hi section does not have top_k ones per row: payload is corrupt")
+        hi = pos - row_start - np.arange(k)
         ids = (hi << b).astype(dt)
     if b:
         lo = _unpack_lo(lo_buf, n * k, b).reshape(n, k)
@@ -459,23 +542,29 @@ def _decode_rows(lay: _SetLayout, hi_buf: memoryview, lo_buf: memoryview, n: int
             ids |= lo
         else:
             ids |= lo.astype(dt)
+        if num_experts % (1 << b) and ids.size and int(ids.max()) >= num_experts:
+            raise ValueError(f"decoded expert id {int(ids.max())} >= num_experts {num_experts}: payload is corrupt")
+        if not _strictly_increasing_rows(ids):
+            raise ValueError("decoded row is not a set of distinct sorted ids: payload is corrupt")
     elif len(lo_buf):
         raise ValueError("unexpected lo section")
-    _check_rows(ids, num_experts)
     return ids
 
 
 def _strictly_increasing_rows(rows: np.ndarray) -> bool:
-    """True when every row of [N, K] is strictly increasing (vectorised flat)."""
+    """True when every row of [N, K] is strictly increasing.
+
+    Flat trick (contiguous, SIMD-friendly): every within-row pair must be
+    increasing, so the count of increasing adjacent pairs over the flat array
+    must equal N*(K-1) plus the count of increasing pairs across row ends.
+    """
     n, k = rows.shape
     if k < 2 or n == 0:
         return True
-    flat = rows.reshape(-1)
-    inc = flat[1:] > flat[:-1]
-    # positions where a row ends are not compared with the next row's start
-    boundary = np.zeros(flat.size - 1, dtype=bool)
-    boundary[k - 1 :: k] = True
-    return bool(np.logical_or(inc, boundary, out=inc).all())
+    flat = np.ascontiguousarray(rows).reshape(-1)
+    total = np.count_nonzero(flat[1:] > flat[:-1])
+    across = np.count_nonzero(flat[k::k] > flat[k - 1 : -1 : k]) if n > 1 else 0
+    return total == n * (k - 1) + across
 
 
 def _check_rows(ids: np.ndarray, num_experts: int) -> None:
@@ -524,6 +613,15 @@ def _encode_dict(ids: np.ndarray, e: int) -> bytes | None:
     """Per-layer dictionary: worthwhile only when rows repeat a lot."""
     t, l, k = ids.shape
     if t < 16:
+        return None
+    # cheap pre-check on a sample of rows: a dictionary only pays when rows
+    # repeat, and the full unique() below is the slowest step of encoding
+    sample = ids[: min(t, 1024)].reshape(-1, k)
+    rb = k * ids.dtype.itemsize
+    keys = np.ascontiguousarray(sample).view(np.dtype((np.void, rb))).reshape(-1)
+    distinct = np.unique(keys).size
+    if distinct > 0.5 * keys.size or 8 * max(1, math.ceil(math.log2(max(distinct, 2)) / 8)) >= \
+            _choose_layout(e, k).bits_per_row(k):
         return None
     # key each row by its bytes; unique per layer (layer index in the key)
     itemsize = ids.dtype.itemsize
