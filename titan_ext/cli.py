@@ -1,0 +1,146 @@
+"""The `torchtitan` console script: `torchtitan train --extension NAME --model M --flavor F [flags]`.
+
+Everything after the extension/model/flavor selection is handed to stock
+TorchTitan's own argument parsing (tyro), so every TorchTitan flag works as
+documented. Without `--model`, `--module/--config` pass through unchanged.
+Works the same under `torchrun ... $(which torchtitan) train ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from importlib.metadata import entry_points
+
+import pluggy
+
+from . import hookspecs
+
+
+class ExtensionError(SystemExit):
+    """A user error in extension/model/flavor selection: printed, exit code 2."""
+
+    def __init__(self, message: str):
+        super().__init__(f"torchtitan: error: {message}")
+
+
+def available_extensions() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
+
+
+def load_extensions(names: list[str]) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    found = available_extensions()
+    for name in names:
+        if name not in found:
+            listed = ", ".join(sorted(found)) or "none installed"
+            raise ExtensionError(
+                f"unknown extension {name!r}; extensions in entry-point group "
+                f"{hookspecs.ENTRY_POINT_GROUP!r}: {listed}"
+            )
+        pm.register(found[name].load(), name=name)
+    return pm
+
+
+def collect_models(pm: pluggy.PluginManager) -> dict[str, hookspecs.ModelEntry]:
+    models: dict[str, hookspecs.ModelEntry] = {}
+    for plugin_models in pm.hook.torchtitan_register_models():
+        for name, entry in plugin_models.items():
+            if name in models:
+                raise ExtensionError(f"model {name!r} is registered by two extensions")
+            models[name] = entry
+    return models
+
+
+def build_config(pm: pluggy.PluginManager, model: str, flavor: str):
+    models = collect_models(pm)
+    if model not in models:
+        raise ExtensionError(f"unknown model {model!r}; loaded extensions provide: {', '.join(sorted(models)) or 'none'}")
+    entry = models[model]
+    if flavor not in entry.flavors:
+        raise ExtensionError(f"unknown flavor {flavor!r} for model {model!r}; it has: {', '.join(entry.flavors)}")
+    config = entry.trainer_config(flavor)
+    for imports in pm.hook.torchtitan_override_imports():
+        config.override.imports.extend(i for i in imports if i not in config.override.imports)
+    pm.hook.torchtitan_configure(config=config, model=model, flavor=flavor)
+    return config
+
+
+def _take(args: list[str], flag: str, *, many: bool = False):
+    """Remove `--flag V` / `--flag=V` from args; returns the value(s)."""
+    values, rest, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a == flag:
+            if i + 1 >= len(args):
+                raise ExtensionError(f"{flag} needs a value")
+            values.append(args[i + 1])
+            i += 2
+            continue
+        if a.startswith(flag + "="):
+            values.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    args[:] = rest
+    if many:
+        return values
+    if len(values) > 1:
+        raise ExtensionError(f"{flag} given more than once")
+    return values[0] if values else None
+
+
+USAGE = """usage: torchtitan train [--extension NAME ...] --model MODEL --flavor FLAVOR [TorchTitan flags]
+       torchtitan train --module MODULE --config CONFIG_FN [TorchTitan flags]
+       torchtitan list [--extension NAME ...]"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in ("train", "list"):
+        print(USAGE, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
+        raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
+    command, args = args[0], args[1:]
+    extensions = _take(args, "--extension", many=True)
+    pm = load_extensions(extensions)
+    if command == "list":
+        for name, entry in sorted(collect_models(pm).items()):
+            print(f"{name}: flavors {', '.join(entry.flavors)}  {entry.description}")
+        return
+    model, flavor = _take(args, "--model"), _take(args, "--flavor")
+    if model is None:
+        if flavor is not None:
+            raise ExtensionError("--flavor needs --model")
+        return _run_torchtitan(args, config=None)
+    config = build_config(pm, model, flavor or "full")
+    _run_torchtitan(args, config=config)
+
+
+def _default_single_process_env() -> None:
+    """Outside torchrun, run as a world of one (TorchTitan itself insists on torchrun's variables)."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _run_torchtitan(args: list[str], config) -> None:
+    """Run stock `torchtitan.train.main`, with our prebuilt config as the parse default."""
+    import torchtitan.train as tt_train
+    from torchtitan.config import ConfigManager
+
+    _default_single_process_env()
+
+    if config is not None:
+        class _PrebuiltConfigManager(ConfigManager):
+            def _load_config(self, args):
+                return config, args
+
+        tt_train.ConfigManager = _PrebuiltConfigManager
+    sys.argv = ["torchtitan", *args]
+    tt_train.main()

@@ -1,0 +1,59 @@
+"""TorchTitan `Trainer.Config`s for titan_ext models, with defaults that run anywhere.
+
+The defaults are the CPU/gloo-safe choices (maskless causal SDPA, the
+`partial_dtensor` SPMD backend, fp32, no compile); every field stays overridable
+from the command line exactly as in stock TorchTitan (`--training.steps 20`,
+`--parallelism.expert_parallel_degree 2`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.trainer import Trainer
+
+from .models import model_spec
+
+_ASSETS = Path(__file__).resolve().parent.parent / ".cache" / "titan_assets"
+
+
+def local_assets(model: str) -> Path:
+    """Tokenizer + a small local text corpus for `model`'s tiny flavor (made once; nothing is downloaded)."""
+    from rl_loop.tiny_models import _corpus, train_tokenizer
+
+    out = _ASSETS / model
+    corpus = out / "corpus"
+    if not (out / "tokenizer.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        train_tokenizer(out)
+    if not (corpus / "train.jsonl").exists():
+        corpus.mkdir(parents=True, exist_ok=True)
+        (corpus / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _corpus()))
+    return out
+
+
+def trainer_config(model: str, flavor: str) -> Trainer.Config:
+    spec = model_spec(model, flavor)
+    assets = local_assets(model) if flavor == "tiny" else Path(f"./assets/hf/{model}")
+    return Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=str(assets),
+        loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(assets / "corpus")),
+        optimizer=default_adamw(lr=3e-3),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1),
+        training=TrainingConfig(
+            local_batch_size=4, seq_len=64, steps=10,
+            mixed_precision_param="float32", mixed_precision_reduce="float32",
+        ),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        checkpoint=CheckpointManager.Config(enable=False),
+    )
