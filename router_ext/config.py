@@ -1,0 +1,219 @@
+"""Write an llm-d ``EndpointPickerConfig`` plus a file-discovery endpoints file.
+
+``moerl router-config --endpoints HOST:PORT[,...] --out DIR`` (entry point:
+:func:`main`) produces ``DIR/epp-config.yaml`` and ``DIR/endpoints.yaml`` for
+llm-d-router v0.10's standalone mode (no Kubernetes), to be started as::
+
+    moerl-epp --config-file DIR/epp-config.yaml --pool-name moerl \\
+        --secure-serving=false --grpc-port 9002
+
+The profile is: ``moerl-paused-filter`` (a replica in a weight update is never
+a candidate), then ``moerl-rl-scorer`` alone (weight 1; it already folds in
+load, queue, KV usage and the prefix match that ``approx-prefix-cache-producer``
+computes, so adding llm-d's own scorers would count them twice and break
+parity with the embedded Python router), then ``max-score-picker``. The core
+metrics extractor maps vLLM's standard metrics and, as custom scalar
+attributes, the two RL metrics that vllm_ext exports.
+
+Output is plain YAML written by hand (JSON-compatible scalars only), so this
+module needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from router_ext.scorer import ScorerParams
+
+__all__ = ["Endpoint", "build_epp_config", "build_endpoints_file", "main", "parse_endpoints", "to_yaml", "write"]
+
+POLICY_VERSION_METRIC = "moerl:policy_version"
+UPDATING_METRIC = "moerl:weight_update_in_progress"
+POLICY_VERSION_ATTRIBUTE = "moerl.policy_version"
+UPDATING_ATTRIBUTE = "moerl.weight_update_in_progress"
+AFFINITY_HEADER = "x-moerl-affinity-key"
+ENGINE_LABEL = "llm-d.ai/engine-type"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One vLLM replica: file discovery needs a literal IPv4 and a port."""
+
+    name: str
+    address: str
+    port: int
+
+
+def parse_endpoints(specs: Iterable[str]) -> list[Endpoint]:
+    """Parse ``[name=]host:port`` items (comma lists allowed).
+
+    Hostnames are resolved to IPv4 here because llm-d's file discovery
+    accepts only literal IPv4 addresses. Names default to ``vllm-<i>``; they
+    are what the scorer hashes for group affinity, so keep them stable.
+    """
+    out: list[Endpoint] = []
+    for spec in specs:
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, _, hostport = item.rpartition("=")
+            host, sep, port = hostport.rpartition(":")
+            if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"endpoint {item!r}: expected [name=]host:port")
+            try:
+                addr = str(ipaddress.IPv4Address(host))
+            except ValueError:
+                addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+            out.append(Endpoint(name or f"vllm-{len(out)}", addr, int(port)))
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate endpoint names: {names}")
+    if not out:
+        raise ValueError("no endpoints given")
+    return out
+
+
+def build_endpoints_file(endpoints: Sequence[Endpoint], engine: str = "vllm") -> dict:
+    """The document read by llm-d's ``file-discovery`` plugin."""
+    return {
+        "endpoints": [
+            {"name": e.name, "address": e.address, "port": str(e.port), "labels": {ENGINE_LABEL: engine}}
+            for e in endpoints
+        ]
+    }
+
+
+def build_epp_config(
+    endpoints_path: str,
+    params: ScorerParams = ScorerParams(),
+    *,
+    block_size_tokens: int = 64,
+    watch_file: bool = True,
+    policy_version_metric: str = POLICY_VERSION_METRIC,
+    updating_metric: str = UPDATING_METRIC,
+    affinity_headers: Sequence[str] = (AFFINITY_HEADER,),
+) -> dict:
+    """The ``EndpointPickerConfig`` (llm-d.ai/v1alpha1) as a plain dict."""
+    scorer_params = params.to_plugin_parameters() | {
+        "prefixMatchInfoProducerName": "prefix-producer",
+        "policyVersionAttribute": POLICY_VERSION_ATTRIBUTE,
+        "updatingAttribute": UPDATING_ATTRIBUTE,
+        "affinityHeaders": list(affinity_headers),
+    }
+    return {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {"name": "file-discovery", "type": "file-discovery",
+             "parameters": {"path": endpoints_path, "watchFile": watch_file}},
+            {"name": "metrics-source", "type": "metrics-data-source"},
+            {"name": "metrics-extractor", "type": "core-metrics-extractor", "parameters": {
+                "engineConfigs": [{
+                    "name": "vllm",
+                    "queuedRequestsSpec": "vllm:num_requests_waiting",
+                    "runningRequestsSpec": "vllm:num_requests_running",
+                    "kvUsageSpec": "vllm:kv_cache_usage_perc",
+                    "loraSpec": "vllm:lora_requests_info",
+                    "cacheInfoSpec": "vllm:cache_config_info",
+                    "customMetrics": [
+                        {"attributeKey": POLICY_VERSION_ATTRIBUTE, "metricSpec": policy_version_metric},
+                        {"attributeKey": UPDATING_ATTRIBUTE, "metricSpec": updating_metric},
+                    ],
+                }],
+            }},
+            {"name": "prefix-producer", "type": "approx-prefix-cache-producer",
+             "parameters": {"blockSizeTokens": block_size_tokens, "autoTune": False}},
+            {"name": "paused-filter", "type": "moerl-paused-filter",
+             "parameters": {"updatingAttribute": UPDATING_ATTRIBUTE}},
+            {"name": "rl-scorer", "type": "moerl-rl-scorer", "parameters": scorer_params},
+            {"name": "picker", "type": "max-score-picker"},
+            {"name": "profile-handler", "type": "single-profile-handler"},
+        ],
+        "schedulingProfiles": [{
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "paused-filter"},
+                {"pluginRef": "rl-scorer", "weight": 1},
+                {"pluginRef": "picker"},
+            ],
+        }],
+        "dataLayer": {
+            # our source/extractor replace llm-d's default pair (which lacks
+            # the RL custom metrics); without this llm-d adds a second scraper
+            "injectDefaults": False,
+            "discovery": {"pluginRef": "file-discovery"},
+            "sources": [{"pluginRef": "metrics-source", "extractors": [{"pluginRef": "metrics-extractor"}]}],
+        },
+    }
+
+
+def _scalar(v) -> str:
+    # JSON scalars are valid YAML flow scalars; strings are always quoted so
+    # names like "on" or "8000" keep their type.
+    return json.dumps(v)
+
+
+def to_yaml(obj, indent: int = 0) -> str:
+    """Minimal block-style YAML for dicts/lists of JSON scalars."""
+    pad = " " * indent
+    lines: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}{k}:")
+                lines.append(to_yaml(v, indent + 2))
+            else:
+                lines.append(f"{pad}{k}: {_scalar(v) if not isinstance(v, (dict, list)) else json.dumps(v)}")
+    elif isinstance(obj, list):
+        for item in obj:
+            if isinstance(item, (dict, list)) and item:
+                body = to_yaml(item, indent + 2)
+                lines.append(f"{pad}- {body.lstrip()}")
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+    else:
+        lines.append(pad + _scalar(obj))
+    return "\n".join(lines)
+
+
+def write(
+    endpoints: Sequence[Endpoint], out_dir: Path, params: ScorerParams = ScorerParams(), **kw
+) -> tuple[Path, Path]:
+    """Write both files; returns (config path, endpoints path)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ep_path = (out_dir / "endpoints.yaml").resolve()
+    cfg_path = out_dir / "epp-config.yaml"
+    ep_path.write_text(to_yaml(build_endpoints_file(endpoints)) + "\n")
+    cfg_path.write_text(to_yaml(build_epp_config(str(ep_path), params, **kw)) + "\n")
+    return cfg_path, ep_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI body of ``moerl router-config``."""
+    ap = argparse.ArgumentParser(prog="moerl router-config", description=__doc__.splitlines()[0])
+    ap.add_argument("--endpoints", action="append", required=True,
+                    help="[name=]host:port, comma separated or repeated")
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--scorer-params", default="{}",
+                    help="JSON moerl-rl-scorer parameters, e.g. '{\"weights\": {\"prefix\": 4}}'")
+    ap.add_argument("--block-size-tokens", type=int, default=64)
+    ap.add_argument("--policy-version-metric", default=POLICY_VERSION_METRIC)
+    ap.add_argument("--updating-metric", default=UPDATING_METRIC)
+    ap.add_argument("--no-watch", action="store_true", help="do not reload endpoints.yaml on change")
+    args = ap.parse_args(argv)
+    params = ScorerParams.from_plugin_parameters(json.loads(args.scorer_params))
+    cfg, eps = write(
+        parse_endpoints(args.endpoints), args.out, params,
+        block_size_tokens=args.block_size_tokens, watch_file=not args.no_watch,
+        policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric,
+    )
+    print(f"wrote {cfg} and {eps}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""router_ext.config: the EndpointPickerConfig and endpoints file it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from router_ext import config
+from router_ext.scorer import ScorerParams
+
+
+def test_parse_endpoints_names_ports_and_resolution():
+    eps = config.parse_endpoints(["a=127.0.0.1:8001,localhost:8002", "10.0.0.3:9000"])
+    assert [(e.name, e.address, e.port) for e in eps] == [
+        ("a", "127.0.0.1", 8001), ("vllm-1", "127.0.0.1", 8002), ("vllm-2", "10.0.0.3", 9000)]
+    for bad in (["127.0.0.1"], ["127.0.0.1:0"], ["x=1.2.3.4:1,x=1.2.3.4:2"], [""]):
+        with pytest.raises(ValueError):
+            config.parse_endpoints(bad)
+
+
+def test_main_writes_yaml_llm_d_can_read(tmp_path):
+    params = {"weights": {"prefix": 4.0}, "loadFactor": 1.5}
+    rc = config.main(["--endpoints", "r0=127.0.0.1:18001,r1=127.0.0.1:18002", "--out", str(tmp_path),
+                      "--scorer-params", json.dumps(params), "--block-size-tokens", "32"])
+    assert rc == 0
+    eps = yaml.safe_load((tmp_path / "endpoints.yaml").read_text())
+    assert eps == {"endpoints": [
+        {"name": "r0", "address": "127.0.0.1", "port": "18001", "labels": {"llm-d.ai/engine-type": "vllm"}},
+        {"name": "r1", "address": "127.0.0.1", "port": "18002", "labels": {"llm-d.ai/engine-type": "vllm"}}]}
+    cfg = yaml.safe_load((tmp_path / "epp-config.yaml").read_text())
+    assert cfg["apiVersion"] == "llm-d.ai/v1alpha1" and cfg["kind"] == "EndpointPickerConfig"
+    plugins = {p["name"]: p for p in cfg["plugins"]}
+    assert plugins["file-discovery"]["parameters"]["path"] == str((tmp_path / "endpoints.yaml").resolve())
+    assert cfg["dataLayer"]["discovery"]["pluginRef"] == "file-discovery"
+    scorer = plugins["rl-scorer"]
+    assert scorer["type"] == "moerl-rl-scorer"
+    extra = {"prefixMatchInfoProducerName", "policyVersionAttribute", "updatingAttribute", "affinityHeaders"}
+    got = ScorerParams.from_plugin_parameters({k: v for k, v in scorer["parameters"].items() if k not in extra})
+    assert got == ScorerParams(w_prefix=4.0, load_factor=1.5)
+    assert plugins[scorer["parameters"]["prefixMatchInfoProducerName"]]["type"] == "approx-prefix-cache-producer"
+    assert plugins["prefix-producer"]["parameters"]["blockSizeTokens"] == 32
+    # every pluginRef resolves, and the profile filters paused replicas before scoring
+    refs = [p["pluginRef"] for prof in cfg["schedulingProfiles"] for p in prof["plugins"]]
+    assert all(r in plugins for r in refs)
+    assert [plugins[r]["type"] for r in refs] == ["moerl-paused-filter", "moerl-rl-scorer", "max-score-picker"]
+    custom = plugins["metrics-extractor"]["parameters"]["engineConfigs"][0]["customMetrics"]
+    attrs = {c["attributeKey"]: c["metricSpec"] for c in custom}
+    assert attrs[scorer["parameters"]["policyVersionAttribute"]] == "moerl:policy_version"
+    assert attrs[plugins["paused-filter"]["parameters"]["updatingAttribute"]] == "moerl:weight_update_in_progress"
+
+
+def test_to_yaml_round_trips_awkward_scalars():
+    doc = {"a": ["on", "8000", 1.5, True, None, {"b": {}}], "c": {"d": [], "e": "x: y"}}
+    assert yaml.safe_load(config.to_yaml(doc)) == doc
