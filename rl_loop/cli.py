@@ -1,0 +1,91 @@
+"""The `moerl` command.
+
+Subcommands are thin: each parses its flags and calls one function of the package
+that owns the logic, so everything here is also usable as a library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MODELS = ("kimi_k2", "glm5")
+
+
+def _print_json(obj: dict) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from titan_ext.info import model_info
+
+    info = model_info(args.model, args.flavor).to_dict()
+    if args.json:
+        _print_json(info)
+    else:
+        print(f"{args.model} ({args.flavor}): {info['total_params'] / 1e9:.2f}B total, "
+              f"{info['active_params'] / 1e9:.2f}B active per token, "
+              f"{info['num_moe_layers']} MoE layers x {info['num_experts']} experts (top-{info['top_k']})")
+    return 0
+
+
+def cmd_check_parity(args: argparse.Namespace) -> int:
+    from titan_ext.parity import check_parity
+
+    report = check_parity(args.hf_checkpoint, args.model, seq_len=args.seq_len, batch=args.batch,
+                          tolerance=args.tolerance, seed=args.seed)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        verdict = "PASS" if report.passed else "FAIL"
+        print(f"{verdict}: max |logit diff| {report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:.1e}), "
+              f"argmax agreement {report.argmax_agreement:.4f}")
+    return 0 if report.passed else 1
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moerl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="parameter counts of a titan_ext model (meta device)")
+    info.add_argument("--model", choices=MODELS, required=True)
+    info.add_argument("--flavor", choices=("full", "tiny"), default="full")
+    info.add_argument("--json", action="store_true", help="print a JSON object")
+    info.set_defaults(fn=cmd_info)
+
+    parity = sub.add_parser("check-parity", help="titan_ext vs transformers logits on one HF checkpoint (fp32)")
+    parity.add_argument("--hf-checkpoint", required=True, metavar="DIR")
+    parity.add_argument("--model", choices=MODELS, required=True)
+    parity.add_argument("--seq-len", type=int, default=64)
+    parity.add_argument("--batch", type=int, default=2)
+    parity.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (default 1e-4)")
+    parity.add_argument("--seed", type=int, default=0)
+    parity.add_argument("--json", action="store_true")
+    parity.set_defaults(fn=cmd_check_parity)
+
+    tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random HF checkpoint + tokenizer")
+    tiny.add_argument("--arch", choices=("qwen3_moe", "kimi_k2", "glm5"), required=True)
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    tiny.add_argument("--init-scale", type=float, default=0.02)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(fn=cmd_make_tiny)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moerl {args.command}: error: {e}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code)
