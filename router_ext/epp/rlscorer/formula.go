@@ -54,8 +54,8 @@ type Params struct {
 // DefaultParams mirrors the defaults of ScorerParams in scorer.py.
 func DefaultParams() Params {
 	return Params{
-		Weights:          Weights{Load: 1, Queue: 2, KV: 1, Prefix: 3, Version: 2, Affinity: 4},
-		LoadFactor:       1.25,
+		Weights:          Weights{Load: 1, Queue: 2, KV: 1, Prefix: 3, Version: 2, Affinity: 2},
+		LoadFactor:       1.5,
 		VersionLagWindow: 4,
 		VirtualNodes:     16,
 	}
