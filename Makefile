@@ -1,0 +1,12 @@
+# The two commands of the README. Both set up the environment first (idempotent:
+# a no-op when .venv already matches requirements/lock.txt and pyproject.toml).
+.PHONY: setup run test
+
+setup:
+	@./scripts/setup.sh
+
+run: setup
+	@./scripts/main_job.sh
+
+test: setup
+	@.venv/bin/python -m pytest -q

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny HF checkpoints made once per session (no downloads)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch, init_scale=0.02, dtype="float32") -> Path, cached per argument set."""
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    base = tmp_path_factory.mktemp("tiny")
+
+    def make(arch: str, init_scale: float = 0.02, dtype: str = "float32") -> Path:
+        return make_tiny_checkpoint(arch, base / f"{arch}-{dtype}-{init_scale}", dtype=dtype, init_scale=init_scale)
+
+    return make
+
+
+def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc args...` and return the completed process (output captured)."""
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def losses_from_log(text: str) -> list[float]:
+    """Per-step losses from TorchTitan's log (rank 0 lines only when tagged)."""
+    clean = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    seen: dict[int, float] = {}
+    for m in re.finditer(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)", clean):
+        seen.setdefault(int(m.group(1)), float(m.group(2)))
+    return [seen[k] for k in sorted(seen)]
