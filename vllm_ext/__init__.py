@@ -1,0 +1,33 @@
+"""moerl's vLLM plugin: per-token expert routing with every response.
+
+``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in
+every process (API server, engine core, workers), possibly more than once, so
+it is idempotent and imports vLLM only inside the call: importing
+``vllm_ext`` (for example ``vllm_ext.routing.record`` in the RL loop) never
+pulls in vLLM or torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+_registered = False
+
+
+def register() -> None:
+    """Install routing capture (engine side) and the response field (API side).
+
+    Set MOERL_ROUTING=0 to load the plugin without capture.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from .routing.capture import capture_enabled
+
+    if not capture_enabled():
+        return
+    from . import api, hooks
+
+    hooks.install()
+    api.install()

@@ -1,0 +1,232 @@
+"""The routing record in OpenAI responses (API-server side of the plugin).
+
+vLLM already carries captured rows to the API server
+(``CompletionOutput.routed_experts``, an array ``[rows, L, K]``) and already
+has the request field ``routed_experts_prompt_start`` (rows from a prompt
+position on, so a multi-turn request receives only new rows) and the
+response field ``routed_experts`` on every choice of ``/v1/completions`` and
+``/v1/chat/completions``. vLLM fills that field only in non-streaming
+responses and as a base64 ``.npy``. With this plugin the same field carries
+the moerl routing payload instead (base64 of ``vllm_ext.routing.record``'s
+codec: self-describing, with MoE layer indices, expert count and first
+position), in non-streaming responses and in the final chunk of each choice
+when streaming. Decode with ``vllm_ext.routing.record.decode_record_b64``.
+
+The logic (``encode_rows``, ``moe_layer_indices``, ``inject_into_chunk``) is
+plain functions; ``install`` only wraps vLLM's serving methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from .routing.record import RoutingRecord, encode_record_b64
+
+logger = logging.getLogger("vllm_ext.routing")
+
+__all__ = ["moe_layer_indices", "num_routed_experts", "encode_rows", "inject_into_chunk", "install"]
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    for name in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"):
+        v = getattr(hf_config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise ValueError("cannot find the number of routed experts in the model config")
+
+
+def moe_layer_indices(hf_config: Any, num_moe_layers: int | None = None) -> tuple[int, ...]:
+    """Decoder layers that are MoE, from the HF config (dense layers dropped).
+
+    Covers the conventions of Qwen-MoE (``mlp_only_layers``,
+    ``decoder_sparse_step``), DeepSeek-V3/Kimi-K2/GLM (``first_k_dense_replace``,
+    ``moe_layer_freq``) and explicit ``mlp_layer_types``; the count is checked
+    against the captured columns when given.
+    """
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "mlp_layer_types", None)
+    if types:
+        layers = [i for i, t in enumerate(types) if str(t).lower() in ("sparse", "moe")]
+    elif hasattr(cfg, "first_k_dense_replace") or hasattr(cfg, "moe_layer_freq"):
+        k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+        freq = int(getattr(cfg, "moe_layer_freq", 1) or 1)
+        layers = [i for i in range(n) if i >= k and i % freq == 0]
+    else:
+        dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if num_moe_layers is not None and len(layers) != num_moe_layers:
+        raise ValueError(f"config gives {len(layers)} MoE layers but the record has {num_moe_layers} columns")
+    return tuple(layers)
+
+
+def encode_rows(rows: np.ndarray, hf_config: Any, start: int) -> str:
+    """Captured rows of one choice -> the base64 payload for the response."""
+    layers = moe_layer_indices(hf_config, rows.shape[1])
+    rec = RoutingRecord(rows, layers, num_routed_experts(hf_config), start)
+    return encode_record_b64(rec)
+
+
+class _Encoded(str):
+    """A finished payload travelling where vLLM expects an array."""
+
+
+def _prompt_start(request: Any, prompt_len: int) -> int:
+    return min(int(getattr(request, "routed_experts_prompt_start", 0) or 0), prompt_len)
+
+
+def _encode_output(output: Any, prompt_len: int, request: Any, hf_config: Any) -> str | None:
+    arr = getattr(output, "routed_experts", None)
+    if arr is None or isinstance(arr, _Encoded):
+        return arr
+    try:
+        enc = _Encoded(encode_rows(np.asarray(arr), hf_config, _prompt_start(request, prompt_len)))
+    except ValueError as exc:
+        logger.error("moerl routing: cannot encode record: %s", exc)
+        enc = None
+    output.routed_experts = enc
+    return enc
+
+
+def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if not getattr(res, "finished", False):
+        return out
+    plen = len(res.prompt_token_ids or [])
+    for o in res.outputs:
+        enc = _encode_output(o, plen, request, hf_config)
+        if enc is not None:
+            out[o.index] = enc
+    return out
+
+
+def inject_into_chunk(chunk: str, routing_by_index: dict[int, str]) -> str:
+    """Add ``routed_experts`` to choices of an SSE chunk that carry a
+    finish_reason (the final chunk of that choice)."""
+    if not routing_by_index or not chunk.startswith("data: ") or '"finish_reason":' not in chunk:
+        return chunk
+    body = chunk[len("data: ") :].strip()
+    if body == "[DONE]":
+        return chunk
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return chunk
+    changed = False
+    for ch in obj.get("choices") or []:
+        if ch.get("finish_reason") is not None and ch.get("index") in routing_by_index:
+            ch["routed_experts"] = routing_by_index.pop(ch["index"])
+            changed = True
+    if not changed:
+        return chunk
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _numpy2base64_passthrough(orig):
+    @functools.wraps(orig)
+    def f(arr):
+        if isinstance(arr, _Encoded):
+            return str(arr)
+        return orig(arr)
+
+    return f
+
+
+_installed = False
+
+
+def install() -> None:
+    """Wrap the completion and chat serving methods (API-server process)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from vllm.entrypoints.openai.chat_completion import serving as chat_mod
+        from vllm.entrypoints.openai.completion import serving as cmpl_mod
+    except Exception as exc:  # engine-only processes may lack the API stack
+        logger.debug("moerl routing: API hooks not installed: %s", exc)
+        return
+
+    for mod in (chat_mod, cmpl_mod):
+        mod.numpy2base64 = _numpy2base64_passthrough(mod.numpy2base64)
+
+    Cmpl = cmpl_mod.OpenAIServingCompletion
+    Chat = chat_mod.OpenAIServingChat
+
+    orig_to_resp = Cmpl.request_output_to_completion_response
+
+    @functools.wraps(orig_to_resp)
+    def to_resp(self, final_res_batch, request, *args, **kwargs):
+        hf = self.model_config.hf_config
+        for res in final_res_batch:
+            _encode_request_output(res, request, hf)
+        return orig_to_resp(self, final_res_batch, request, *args, **kwargs)
+
+    Cmpl.request_output_to_completion_response = to_resp
+
+    orig_cmpl_stream = Cmpl.completion_stream_generator
+
+    @functools.wraps(orig_cmpl_stream)
+    async def cmpl_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
+        hf = self.model_config.hf_config
+        n = 1 if request.n is None else request.n
+        pending: dict[int, str] = {}
+
+        async def watch() -> AsyncIterator:
+            async for prompt_idx, res in result_generator:
+                for idx, enc in _encode_request_output(res, request, hf).items():
+                    pending[prompt_idx * n + idx] = enc
+                yield prompt_idx, res
+
+        async for chunk in orig_cmpl_stream(self, request, engine_inputs, watch(), *args, **kwargs):
+            yield inject_into_chunk(chunk, pending)
+
+    Cmpl.completion_stream_generator = cmpl_stream
+
+    orig_chat_full = Chat.chat_completion_full_generator
+
+    @functools.wraps(orig_chat_full)
+    async def chat_full(self, request, result_generator, *args, **kwargs):
+        hf = self.model_config.hf_config
+
+        async def watch() -> AsyncIterator:
+            async for res in result_generator:
+                _encode_request_output(res, request, hf)
+                yield res
+
+        return await orig_chat_full(self, request, watch(), *args, **kwargs)
+
+    Chat.chat_completion_full_generator = chat_full
+
+    orig_chat_stream = Chat.chat_completion_stream_generator
+
+    @functools.wraps(orig_chat_stream)
+    async def chat_stream(self, request, result_generator, *args, **kwargs):
+        hf = self.model_config.hf_config
+        pending: dict[int, str] = {}
+
+        async def watch() -> AsyncIterator:
+            async for res in result_generator:
+                pending.update(_encode_request_output(res, request, hf))
+                yield res
+
+        async for chunk in orig_chat_stream(self, request, watch(), *args, **kwargs):
+            yield inject_into_chunk(chunk, pending)
+
+    Chat.chat_completion_stream_generator = chat_stream
+
+
+def decode_response_routing(choice: dict[str, Any]) -> RoutingRecord | None:
+    """Client helper: the record of one response choice (None if absent)."""
+    from .routing.record import decode_record_b64
+
+    text = choice.get("routed_experts")
+    return None if text is None else decode_record_b64(text)
