@@ -10,3 +10,5 @@ run: setup
 
 test: setup
 	@.venv/bin/python -m pytest -q
+	@.venv/bin/python -m router_ext.vectors --check
+	@cd router_ext/epp && go test ./...

@@ -78,10 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--init-scale", type=float, default=0.02)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(fn=cmd_make_tiny)
+
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return p
 
 
+# Subcommands whose package owns a full argument parser of its own.
+DELEGATED = {
+    "router-config": ("router_ext.config", "write an llm-d EndpointPickerConfig + file-discovery endpoints"),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        raise SystemExit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)
