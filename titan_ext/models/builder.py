@@ -8,16 +8,17 @@ differs:
 - maskless causal SDPA as the default inner attention, because FlexAttention has no
   CPU backward;
 - the DSA attention for models with a lightning indexer (`dsa.DSAAttention`);
+- the replaying router (`titan_ext.replay`), identical to TorchTitan's until ids are replayed;
 - norm epsilons as the checkpoint has them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from typing import Literal
 
 import torch.nn as nn
+from torchtitan.config import derive
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import build_mla_moe_layers
@@ -26,6 +27,7 @@ from torchtitan.models.common.param_init import depth_scaled_std
 
 from .arch import MLAMoEArch
 from .glm5.dsa import DSAAttention, LightningIndexer
+from ..replay import replay_router
 from .experts import NativeDtypeGroupedExperts
 
 AttnBackend = Literal["sdpa", "flex"]
@@ -104,10 +106,9 @@ def build_model_config(
         if arch.has_indexer:
             layer.attention = _with_indexer(attn, arch, init_std)
         if layer.moe is not None:
-            inner = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = NativeDtypeGroupedExperts.Config(
-                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)}
-            )
+            layer.moe.router = replay_router(layer.moe.router)
+            experts = layer.moe.routed_experts
+            experts.inner_experts = derive(experts.inner_experts, NativeDtypeGroupedExperts.Config)
     return DeepSeekV3Model.Config(
         vocab_size=arch.vocab_size,
         dim=arch.dim,
@@ -126,8 +127,9 @@ def build_model_config(
 def _with_indexer(attn, arch: MLAMoEArch, init_std: float) -> DSAAttention.Config:
     if arch.q_lora_rank == 0:
         raise ValueError("the DSA indexer reads the q latent: q_lora_rank must be > 0")
-    return DSAAttention.Config(
-        **{f.name: getattr(attn, f.name) for f in dataclasses.fields(attn)},
+    return derive(
+        attn,
+        DSAAttention.Config,
         indexer=LightningIndexer.Config(
             dim=arch.dim,
             q_lora_rank=arch.q_lora_rank,

@@ -1,0 +1,126 @@
+"""Router replay (R3): the trainer routes each token to the experts inference chose.
+
+In MoE RL the trainer's own top-k differs from the inference engine's for a few
+percent of (token, layer) pairs, so the probabilities it trains on are not the
+ones that sampled the tokens. Replay feeds inference's expert ids into every MoE
+router. The gate weights stay the trainer's live scores, gathered at the replayed
+ids and normalised/scaled exactly as TorchTitan does, so the gate still learns;
+the load-balancing bias only affects selection and so plays no part.
+
+The decoder forward takes no extra arguments, so ids reach the routers through a
+side channel: `replay_routing(model, ids)` sets each MoE layer's slice for the
+duration of one forward (and its backward, which reuses saved tensors). The ids
+must be laid out exactly like the tokens given to that forward on that rank,
+`[batch, seq, num_moe_layers, top_k]`; under data parallel / FSDP2 and expert
+parallel each rank passes the rows of its own tokens (the all-to-all dispatch
+happens after routing). This module takes plain integer tensors and knows no
+wire format: decoding routing records is the RL loop's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torchtitan.config import derive, override
+from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+
+class ReplayRecordError(ValueError):
+    """Recorded expert ids that cannot be replayed on this batch (shape or range)."""
+
+
+class ReplayRouter(TokenChoiceTopKRouter):
+    """TorchTitan's top-k router, replaying recorded ids whenever the side channel holds some."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.replay_ids_BLK: torch.Tensor | None = None
+        # Fraction of tokens whose own top-k set differs from the replayed one (last replayed forward).
+        self.disagreement: float | None = None
+
+    def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        own_scores_BLK, own_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
+        ids_BLK = self.replay_ids_BLK
+        if ids_BLK is None:
+            return own_scores_BLK, own_ids_BLK, scores_BLE
+        if ids_BLK.shape != own_ids_BLK.shape:
+            raise ReplayRecordError(
+                f"replayed ids have shape {tuple(ids_BLK.shape)} but this layer routes "
+                f"{tuple(own_ids_BLK.shape)} (batch, seq, top_k)"
+            )
+        ids_BLK = ids_BLK.to(device=own_ids_BLK.device, dtype=own_ids_BLK.dtype).contiguous()
+        with torch.no_grad():
+            differs = (own_ids_BLK.sort(dim=-1).values != ids_BLK.sort(dim=-1).values).any(dim=-1)
+            self.disagreement = differs.float().mean().item()
+        topk_scores_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
+        if self.route_norm:
+            topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_scores_BLK * self.route_scale, ids_BLK, scores_BLE
+
+
+@override(
+    target=TokenChoiceTopKRouter.Config,
+    exact=True,
+    description="Router replay: route by recorded expert ids when given.",
+)
+def replay_router(cfg: TokenChoiceTopKRouter.Config) -> ReplayRouter.Config:
+    """titan_ext's models are built with it; stock TorchTitan configs get it with
+    `--override.imports titan_ext.replay.replay_router`."""
+    return derive(cfg, ReplayRouter.Config)
+
+
+def moe_routers(model: torch.nn.Module) -> list[ReplayRouter]:
+    """The model's replaying routers, in layer order (one per MoE layer)."""
+    return [m for m in model.modules() if isinstance(m, ReplayRouter)]
+
+
+def check_replay_ids(ids: torch.Tensor, *, tokens_shape: tuple[int, int], num_moe_layers: int,
+                     top_k: int, num_experts: int) -> None:
+    """Raise ReplayRecordError saying what is wrong with `ids` for a batch of `tokens_shape`."""
+    want = (*tokens_shape, num_moe_layers, top_k)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ReplayRecordError(f"expert ids must be integers, got {ids.dtype}")
+    if tuple(ids.shape) != want:
+        raise ReplayRecordError(
+            f"expert ids have shape {tuple(ids.shape)}, expected {want} "
+            "(batch, seq, moe layers, top_k): the record does not belong to these tokens or this model"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise ReplayRecordError(
+            f"expert ids must lie in [0, {num_experts}); got min {int(ids.min())}, max {int(ids.max())}"
+        )
+
+
+@contextmanager
+def replay_routing(model: torch.nn.Module, ids_BLNK: torch.Tensor | None) -> Iterator[list[ReplayRouter]]:
+    """Replay `ids_BLNK` ([batch, seq, num_moe_layers, top_k]) in the forwards run inside this block.
+
+    `None` runs the model's own routing (and still yields the routers). The ids are
+    checked against the model before anything runs.
+    """
+    routers = moe_routers(model)
+    if ids_BLNK is not None:
+        if not routers:
+            raise ReplayRecordError("the model has no replaying routers: activate titan_ext.replay.replay_router")
+        first = routers[0]
+        check_replay_ids(ids_BLNK, tokens_shape=tuple(ids_BLNK.shape[:2]), num_moe_layers=len(routers),
+                         top_k=first.top_k, num_experts=first.num_experts)
+        for i, router in enumerate(routers):
+            router.replay_ids_BLK = ids_BLNK[:, :, i, :]
+    try:
+        yield routers
+    finally:
+        for router in routers:
+            router.replay_ids_BLK = None
+
+
+def disagreement_by_layer(routers: list[ReplayRouter]) -> list[float | None]:
+    """Per MoE layer, the fraction of tokens whose own choice differed from the replayed one."""
+    return [r.disagreement for r in routers]
