@@ -1,0 +1,80 @@
+"""The RL loss: token-level importance-sampled policy gradient with mismatch masking.
+
+Tokens were sampled by the inference engine, so the gradient is importance
+weighted by r = p_train / p_infer per token. Where the two engines disagree too
+much (r outside [1/max_ratio, max_ratio]) the token is dropped from the loss
+instead of clipped: such tokens are numerics or routing artefacts, not signal.
+The same pass measures the mismatch: the k3 estimator exp(d) - d - 1 with
+d = logp_train - logp_infer over completion tokens, and the fraction of extreme
+tokens. This is the one definition of the loss; the trainer calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    max_ratio: float = 2.0
+    """Tokens with p_train/p_infer above this or below its inverse are masked out."""
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    num_tokens: int
+    k3_mean: float
+    k3_max: float
+    extreme_frac: float
+    masked_frac: float
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under `logits` ([B, S, V], [B, S]) in fp32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def mismatch_k3(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 KL estimate exp(d) - d - 1, d = logp_train - logp_infer (>= 0)."""
+    d = logp_train - logp_infer
+    return torch.expm1(d) - d
+
+
+def policy_loss(
+    logp_train: torch.Tensor,
+    logp_infer: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig = LossConfig(),
+) -> LossOutput:
+    """All arguments are [B, S] (advantages broadcast per sequence); `mask` marks completion tokens.
+
+    The loss is summed over kept tokens and divided by the number of completion
+    tokens, so masking a token removes its contribution without rescaling others.
+    """
+    if not (logp_train.shape == logp_infer.shape == mask.shape):
+        raise ValueError(
+            f"shape mismatch: logp_train {tuple(logp_train.shape)}, logp_infer {tuple(logp_infer.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    mask = mask.bool()
+    n = int(mask.sum())
+    if n == 0:
+        raise ValueError("no completion tokens in the batch")
+    ratio = torch.exp(logp_train - logp_infer)
+    with torch.no_grad():
+        extreme = (ratio > config.max_ratio) | (ratio < 1.0 / config.max_ratio)
+        keep = mask & ~extreme
+        k3 = mismatch_k3(logp_train.detach(), logp_infer)[mask]
+    loss = -(ratio * advantages * keep).sum() / n
+    return LossOutput(
+        loss=loss,
+        num_tokens=n,
+        k3_mean=k3.mean().item(),
+        k3_max=k3.max().item(),
+        extreme_frac=(extreme & mask).sum().item() / n,
+        masked_frac=(mask & ~keep).sum().item() / n,
+    )
