@@ -1,0 +1,115 @@
+"""Pack scored rollouts into one training batch; reject samples that cannot be replayed.
+
+A sample whose routing record does not fit its tokens (wrong number of rows,
+layers or top-k, expert ids out of range) would either crash the trainer's
+forward or, worse, replay garbage. Such a sample is dropped from the batch with
+the reason, the rest of the step goes on, and the caller logs the count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Sample:
+    """One completion: token ids, the inference engine's logprobs, its routing and its reward."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    group: int
+    policy_version: int = 0
+    routing: np.ndarray | None = None  # [len(prompt) + len(completion) - 1, moe layers, top_k]
+    advantage: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_moe_layers: int
+    top_k: int
+    num_experts: int
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] int64, right padded
+    mask: torch.Tensor  # [B, S-1] bool: targets that are completion tokens
+    logp_infer: torch.Tensor  # [B, S-1] float32
+    advantages: torch.Tensor  # [B, 1] float32
+    replay_ids: torch.Tensor | None  # [B, S-1, L, K] int64
+    policy_versions: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("tokens", "mask", "logp_infer", "advantages", "replay_ids", "policy_versions")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Batch":
+        return cls(**d)
+
+    def shard(self, rank: int, world: int) -> "Batch":
+        """This data-parallel rank's rows; the replay ids travel with their tokens."""
+        sl = slice(rank, None, world)
+        return Batch(self.tokens[sl], self.mask[sl], self.logp_infer[sl], self.advantages[sl],
+                     None if self.replay_ids is None else self.replay_ids[sl], self.policy_versions[sl])
+
+
+def routing_error(sample: Sample, shape: ModelShape) -> str | None:
+    """Why `sample.routing` cannot be replayed on its tokens, or None when it can."""
+    r = sample.routing
+    if r is None:
+        return "no routing record"
+    rows = len(sample.prompt_ids) + len(sample.completion_ids) - 1
+    if r.ndim != 3:
+        return f"routing record has {r.ndim} dimensions, expected 3 (rows, layers, top_k)"
+    if r.shape != (rows, shape.num_moe_layers, shape.top_k):
+        return (f"routing record has shape {tuple(r.shape)}, expected {(rows, shape.num_moe_layers, shape.top_k)} "
+                "(prompt+completion-1 rows, MoE layers, top_k)")
+    if r.size and (int(r.min()) < 0 or int(r.max()) >= shape.num_experts):
+        return f"expert ids outside [0, {shape.num_experts}): min {int(r.min())}, max {int(r.max())}"
+    return None
+
+
+def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[Batch | None, list[tuple[int, str]]]:
+    """Pack samples; with `shape` (replay on) samples whose record does not fit are rejected.
+
+    Returns the batch (None when nothing is left) and (index, reason) per rejected sample.
+    """
+    rejected: list[tuple[int, str]] = []
+    kept: list[Sample] = []
+    for i, s in enumerate(samples):
+        reason = None
+        if len(s.logprobs) != len(s.completion_ids):
+            reason = f"{len(s.logprobs)} logprobs for {len(s.completion_ids)} completion tokens"
+        elif not s.completion_ids:
+            reason = "empty completion"
+        elif shape is not None:
+            reason = routing_error(s, shape)
+        if reason:
+            rejected.append((i, reason))
+        else:
+            kept.append(s)
+    if not kept:
+        return None, rejected
+    seq = max(len(s.prompt_ids) + len(s.completion_ids) for s in kept)
+    b = len(kept)
+    tokens = torch.full((b, seq), pad_id, dtype=torch.int64)
+    mask = torch.zeros(b, seq - 1, dtype=torch.bool)
+    logp = torch.zeros(b, seq - 1, dtype=torch.float32)
+    replay = None
+    if shape is not None:
+        # Padding rows replay experts 0..k-1: causal attention keeps them from touching real tokens.
+        replay = torch.arange(shape.top_k).expand(b, seq - 1, shape.num_moe_layers, shape.top_k).clone()
+    for j, s in enumerate(kept):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        tokens[j, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        mask[j, p - 1 : p + c - 1] = True
+        logp[j, p - 1 : p + c - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
+        if replay is not None:
+            replay[j, : p + c - 1] = torch.from_numpy(np.ascontiguousarray(s.routing).astype(np.int64))
+    adv = torch.tensor([[s.advantage] for s in kept], dtype=torch.float32)
+    return Batch(tokens, mask, logp, adv, replay, [s.policy_version for s in kept]), rejected

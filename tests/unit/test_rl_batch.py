@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+import torch
+
+from rl_loop.batch import Batch, ModelShape, Sample, pack
+
+SHAPE = ModelShape(num_moe_layers=3, top_k=2, num_experts=8)
+
+
+def _sample(p=3, c=2, routing="ok", logprobs=None, adv=1.0):
+    rows = p + c - 1
+    r = {"ok": np.tile(np.array([1, 5]), (rows, 3, 1)), "short": np.zeros((rows - 1, 3, 2), int),
+         "layers": np.zeros((rows, 2, 2), int), "topk": np.zeros((rows, 3, 3), int),
+         "range": np.full((rows, 3, 2), 8), "none": None}[routing]
+    return Sample(prompt_ids=list(range(10, 10 + p)), completion_ids=list(range(20, 20 + c)),
+                  logprobs=logprobs if logprobs is not None else [-0.5] * c, reward=1.0, group=0,
+                  routing=r, advantage=adv)
+
+
+def test_pack_aligns_targets_logprobs_and_routing_rows():
+    batch, rejected = pack([_sample(3, 2), _sample(2, 4, adv=-1.0)], SHAPE, pad_id=0)
+    assert rejected == []
+    assert batch.tokens.tolist()[0] == [10, 11, 12, 20, 21, 0] and batch.tokens.tolist()[1] == [10, 11, 20, 21, 22, 23]
+    # position t predicts token t+1: completion targets start at prompt_len - 1
+    assert batch.mask.tolist() == [[False, False, True, True, False], [False, True, True, True, True]]
+    assert torch.all(batch.logp_infer[batch.mask] == -0.5) and torch.all(batch.logp_infer[~batch.mask] == 0)
+    assert batch.replay_ids.shape == (2, 5, 3, 2) and batch.replay_ids[0, :4].unique().tolist() == [1, 5]
+    assert batch.advantages.tolist() == [[1.0], [-1.0]]
+
+
+@pytest.mark.parametrize("kind,msg", [("short", "shape"), ("layers", "shape"), ("topk", "shape"),
+                                      ("range", "outside"), ("none", "no routing")])
+def test_samples_with_bad_records_are_rejected_and_the_rest_kept(kind, msg):
+    batch, rejected = pack([_sample(), _sample(routing=kind), _sample()], SHAPE, pad_id=0)
+    assert len(rejected) == 1 and rejected[0][0] == 1 and msg in rejected[0][1]
+    assert batch.tokens.shape[0] == 2
+
+
+def test_without_replay_records_are_not_needed_and_logprob_count_is_checked():
+    batch, rejected = pack([_sample(routing="none"), _sample(logprobs=[-1.0])], None, pad_id=0)
+    assert batch.replay_ids is None and batch.tokens.shape[0] == 1
+    assert rejected[0][0] == 1 and "logprobs" in rejected[0][1]
+    assert pack([_sample(routing="none")], SHAPE, 0)[0] is None
+
+
+def test_shard_keeps_rows_and_records_together():
+    batch, _ = pack([_sample(3, 2, adv=float(i)) for i in range(4)], SHAPE, pad_id=0)
+    part = batch.shard(1, 2)
+    assert part.advantages.flatten().tolist() == [1.0, 3.0] and part.replay_ids.shape[0] == 2
+    assert Batch.from_dict(part.to_dict()).tokens.equal(part.tokens)
