@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from importlib import metadata
@@ -106,7 +107,11 @@ def vllm_server(model: Path, dtype: str, tmp: Path, extra: list[str], env_extra:
 def post(base: str, path: str, body: dict, stream: bool = False):
     req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{path}: HTTP {exc.code}: {exc.read().decode()[:2000]}") from None
+    with r:
         if not stream:
             return json.loads(r.read())
         chunks = []
@@ -229,7 +234,7 @@ def test_qwen3_moe_fp32_records_match_transformers(qwen_ckpt, tmp_path):
     # 64-token prefill chunks and a KV cache of 24 blocks x 32 tokens force
     # chunked prefill and preemption with 8 concurrent requests.
     extra = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-             "--num-gpu-blocks-override", "24"]
+             "--num-gpu-blocks-override", "24", "--trust-request-chat-template"]
     with vllm_server(qwen_ckpt, "float32", tmp_path, extra) as (base, log):
         # single request
         _, c, toks = _complete(base, qwen_ckpt, _prompts(1, 0)[0], 16)
