@@ -7,6 +7,7 @@ distributed trainer loads through TorchTitan's checkpointer with the same adapte
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -63,14 +64,33 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
     return titan_model.eval(), arch
 
 
-def export_hf_checkpoint(titan_model: torch.nn.Module, arch: MLAMoEArch, out_dir: str | Path) -> Path:
-    """Write the model as an HF checkpoint (config.json + model.safetensors) that transformers and vLLM load."""
+COMMIT_MARKER = "COMMIT"
+_ASSET_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json")
+
+
+def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], model_config, arch: MLAMoEArch, out_dir: str | Path,
+                        *, assets_from: str | Path | None = None, commit: bool = False) -> Path:
+    """Write a titan_ext state dict (plain tensors) as an HF checkpoint transformers and vLLM load.
+
+    `assets_from` copies tokenizer files from another checkpoint; `commit` writes
+    the COMMIT marker last, so a reader never sees a half-written version.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    adapter = MLAMoEStateDictAdapter(titan_model.config)
-    hf_sd = adapter.to_hf({k: v.detach() for k, v in titan_model.state_dict().items()})
+    hf_sd = MLAMoEStateDictAdapter(model_config).to_hf({k: v.detach() for k, v in state_dict.items()})
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = arch.to_hf_config()
     cfg["torch_dtype"] = str(next(iter(hf_sd.values())).dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if assets_from is not None:
+        for pattern in _ASSET_GLOBS:
+            for f in Path(assets_from).glob(pattern):
+                shutil.copyfile(f, out / f.name)
+    if commit:
+        (out / COMMIT_MARKER).write_text("")
     return out
+
+
+def export_hf_checkpoint(titan_model: torch.nn.Module, arch: MLAMoEArch, out_dir: str | Path) -> Path:
+    """Write a single-process model as an HF checkpoint (config.json + model.safetensors)."""
+    return write_hf_checkpoint(titan_model.state_dict(), titan_model.config, arch, out_dir)

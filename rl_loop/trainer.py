@@ -1,0 +1,197 @@
+"""The RL trainer: TorchTitan (with titan_ext) under torchrun, fed batches by the orchestrator.
+
+TorchTitan builds everything a trainer needs (model with FSDP2/EP, optimizer,
+LR schedule, distributed checkpointing, HF loading through titan_ext's adapter);
+this module only replaces the data and the loss: each step reads one packed
+batch (`rl_loop.batch.Batch`) from the run directory, runs forward with router
+replay, applies `rl_loop.loss.policy_loss`, steps the optimizer, saves a
+TorchTitan checkpoint every `checkpoint_interval` steps (for `moerl rl --resume`)
+and publishes the new weights as an HF checkpoint for the inference replicas.
+
+The run directory is the whole protocol, so the orchestrator and the trainer can
+be restarted independently:
+    batches/step_NNNNNN.pt       written by the orchestrator (atomic rename)
+    weights/vNNNNNN/             HF checkpoint of policy version N, then COMMIT
+    trainer/metrics_NNNNNN.json  loss and mismatch metrics of step N
+    trainer/checkpoint/          TorchTitan checkpoints
+
+usage: torchrun --nproc_per_node N -m rl_loop.trainer RUN_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .batch import Batch
+from .loss import LossConfig, policy_loss, token_logprobs
+
+
+@dataclass
+class TrainerSpec:
+    """What the orchestrator tells the trainer (written as RUN_DIR/trainer/spec.json)."""
+
+    model: str
+    flavor: str
+    init_checkpoint: str
+    steps: int
+    lr: float
+    replay: bool
+    max_ratio: float
+    checkpoint_interval: int
+    max_grad_norm: float = 1.0
+    poll_s: float = 0.05
+
+    def save(self, run_dir: Path) -> None:
+        path = run_dir / "trainer" / "spec.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "TrainerSpec":
+        return cls(**json.loads((run_dir / "trainer" / "spec.json").read_text()))
+
+
+def batch_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "batches" / f"step_{step:06d}.pt"
+
+
+def weights_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / "weights" / f"v{version:06d}"
+
+
+def metrics_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "trainer" / f"metrics_{step:06d}.json"
+
+
+def write_atomic(path: Path, writer) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    writer(tmp)
+    os.replace(tmp, path)
+
+
+def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, replay: bool,
+            total_tokens: int | None = None) -> dict:
+    """Forward (replaying `batch.replay_ids` when `replay`), loss, backward. Returns metrics.
+
+    `total_tokens` is the completion-token count over all data-parallel ranks, so
+    gradients summed across ranks equal the single-process mean.
+    """
+    from titan_ext.replay import disagreement_by_layer, replay_routing
+
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    with replay_routing(model, batch.replay_ids if replay else None) as routers:
+        logits = model(inputs)
+        logp = token_logprobs(logits, targets)
+        out = policy_loss(logp, batch.logp_infer, batch.advantages, batch.mask, loss_config)
+        scale = out.num_tokens / (total_tokens or out.num_tokens)
+        (out.loss * scale).backward()
+    disagreement = [d for d in disagreement_by_layer(routers) if d is not None]
+    return {
+        "loss": out.loss.item(),
+        "tokens": out.num_tokens,
+        "mismatch_k3_mean": out.k3_mean,
+        "mismatch_k3_max": out.k3_max,
+        "extreme_frac": out.extreme_frac,
+        "masked_frac": out.masked_frac,
+        "router_disagreement": sum(disagreement) / len(disagreement) if disagreement else None,
+    }
+
+
+def reduce_metrics(local: dict, total_tokens: int) -> dict:
+    """Token-weighted means (and the max) of the per-rank loss metrics over all ranks."""
+    n = local["tokens"]
+    sums = torch.tensor([local[k] * n for k in ("loss", "mismatch_k3_mean", "extreme_frac", "masked_frac")])
+    peak = torch.tensor([local["mismatch_k3_max"]])
+    dist.all_reduce(sums)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    keys = ("loss", "mismatch_k3_mean", "extreme_frac", "masked_frac")
+    return {**{k: v / total_tokens for k, v in zip(keys, sums.tolist())},
+            "mismatch_k3_max": peak.item(), "tokens": total_tokens}
+
+
+def publish_weights(model: torch.nn.Module, model_config, arch, out: Path, assets_from: str) -> None:
+    """Write the current weights as an HF checkpoint (rank 0 writes; every rank joins the gathers)."""
+    from titan_ext.checkpoint import write_hf_checkpoint
+
+    full = {}
+    for name, value in model.state_dict().items():
+        full[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    if dist.get_rank() == 0:
+        write_atomic(out, lambda tmp: write_hf_checkpoint(full, model_config, arch, tmp, assets_from=assets_from, commit=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import titan_ext  # noqa: F401  (applies the runtime patches)
+    from titan_ext.checkpoint import read_arch
+    from titan_ext.train_config import trainer_config
+    from torchtitan.components.optimizer import default_adamw
+
+    run_dir = Path((argv or sys.argv[1:])[0]).resolve()
+    spec = TrainerSpec.load(run_dir)
+    cfg = trainer_config(spec.model, spec.flavor)
+    arch = read_arch(spec.init_checkpoint, spec.model)
+    from titan_ext.models import spec_from_arch
+
+    cfg.model_spec = spec_from_arch(spec.model, spec.flavor, arch)
+    cfg.hf_assets_path = spec.init_checkpoint
+    cfg.dump_folder = str(run_dir / "trainer")
+    cfg.training.steps = spec.steps
+    cfg.optimizer = default_adamw(lr=spec.lr, weight_decay=0.0)
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.lr_scheduler.decay_ratio = None
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.folder = "checkpoint"
+    cfg.checkpoint.interval = spec.checkpoint_interval
+    cfg.checkpoint.initial_load_path = spec.init_checkpoint
+    cfg.checkpoint.initial_load_in_hf = True
+    cfg.checkpoint.initial_load_model_only = True
+    cfg.checkpoint.last_save_model_only = False
+    trainer = cfg.build()
+    trainer.checkpointer.load()
+    model = trainer.model_parts[0]
+    model.train()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_config = LossConfig(max_ratio=spec.max_ratio)
+    if trainer.step == 0:
+        publish_weights(model, cfg.model_spec.model, arch, weights_dir(run_dir, 0), spec.init_checkpoint)
+    while trainer.step < spec.steps:
+        step = trainer.step + 1
+        path = batch_path(run_dir, step)
+        t_wait = time.perf_counter()
+        while not path.exists():
+            time.sleep(spec.poll_s)
+        wait_s = time.perf_counter() - t_wait
+        t0 = time.perf_counter()
+        batch = Batch.from_dict(torch.load(path, weights_only=False))
+        total = int(batch.mask.sum())
+        metrics = rl_step(model, batch.shard(rank, world), loss_config, replay=spec.replay, total_tokens=total)
+        metrics.update(reduce_metrics(metrics, total))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        trainer.optimizers.step()
+        trainer.lr_schedulers.step()
+        trainer.optimizers.zero_grad()
+        trainer.step = step
+        train_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        trainer.checkpointer.save(curr_step=step, last_step=step == spec.steps)
+        publish_weights(model, cfg.model_spec.model, arch, weights_dir(run_dir, step), spec.init_checkpoint)
+        publish_s = time.perf_counter() - t1
+        if rank == 0:
+            grad = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            metrics.update(step=step, grad_norm=float(grad), wait_s=wait_s, train_s=train_s, publish_s=publish_s)
+            write_atomic(metrics_path(run_dir, step), lambda tmp: tmp.write_text(json.dumps(metrics)))
+    trainer.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
