@@ -45,3 +45,45 @@ def test_apply_all_is_idempotent():
     import titan_ext  # noqa: F401
 
     assert patches.apply_all() == []
+
+
+def test_torchtitan_still_imports_data_parallel_mesh_dims_from_torch_fsdp():
+    """torchtitan 0.3.0 imports the name at module level; torch 2.11 (the H200 machines) lacks it.
+
+    Here (torch 2.13) torch has it, so the patch must stay inactive; it is needed exactly
+    where torch lacks the name. Delete the patch once no supported torch lacks it or
+    torchtitan stops importing it.
+    """
+    import importlib.util
+    import pathlib
+
+    import torch.distributed.fsdp as fsdp
+
+    from patches import torch_fsdp_data_parallel_mesh_dims as patch_mod
+
+    root = pathlib.Path(importlib.util.find_spec("torchtitan").origin).parent
+    importers = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if "from torch.distributed.fsdp import DataParallelMeshDims" in p.read_text()
+    ]
+    assert "models/deepseek_v3/mtp.py" in importers, importers
+    assert patches.PATCH_MODULES[0] == "patches.torch_fsdp_data_parallel_mesh_dims"  # before torchtitan imports
+    assert patch_mod.PATCH.needed() == (not hasattr(fsdp, "DataParallelMeshDims"))
+    if patch_mod.PATCH.needed() is False:
+        assert fsdp.DataParallelMeshDims is not patch_mod.DataParallelMeshDims  # torch's own, untouched
+
+
+def test_data_parallel_mesh_dims_stand_in_applies_where_torch_lacks_it(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    from patches import torch_fsdp_data_parallel_mesh_dims as patch_mod
+
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    assert patch_mod.PATCH.needed()
+    patch_mod.PATCH.apply()
+    assert not patch_mod.PATCH.needed()
+    dims = fsdp.DataParallelMeshDims(shard=("dp_shard", "cp"))
+    assert dims.shard_names == ("dp_shard", "cp") and dims.replicate_names == ()
+    with pytest.raises(ValueError):
+        fsdp.DataParallelMeshDims()
