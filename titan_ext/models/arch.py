@@ -97,6 +97,9 @@ class MLAMoEArch:
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": False,
             "rope_parameters": self._hf_rope_parameters(),
+            # vLLM creates e_score_correction_bias only for noaux_tc routing.
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
         }
         if self.hf_architecture == "DeepseekV3ForCausalLM":
             cfg.update(rope_interleave=True, num_nextn_predict_layers=0)
