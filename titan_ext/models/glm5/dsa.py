@@ -5,14 +5,23 @@ GLM-5 keeps MLA but lets each query attend only to the `topk` keys that a small
 one shared key per token) and runs without gradients from the LM loss, as in the
 reference implementation; the main attention then runs on the selected keys only.
 
-Here the selection is applied as a boolean mask to SDPA: exact on any device and
-simple to check against transformers; a gather-based kernel is a speed concern for
-the GPU benchmarks, not for correctness.
+Two implementations of the same function:
+- `impl="sparse"` (default): memory-bounded. The indexer scores one chunk of
+  queries at a time against the keys it may see (never an S x S matrix); the
+  attention runs in MLA's shared latent space (queries absorb W_uk, outputs
+  W_uv, so every head reads the same 576-wide key of a selected token) and
+  gathers only the selected keys, chunk by chunk, with a hand-written backward
+  that recomputes the gather instead of saving it. Memory O(S * topk) indices
+  plus O(chunk * topk * latent) scratch: 128k tokens fit on one GPU.
+- `impl="dense_mask"`: the selection as a dense S x S boolean mask over SDPA,
+  kept as the reference the sparse path is tested against (fine on CPU, O(S^2)).
+In fp32 on small sequences both give the same selection and agree to rounding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,8 @@ class LightningIndexer(Module):
         rope_dim: int
         topk: int
         linear_init: dict | None = None
+        # Queries scored per step (bounds the [chunk, heads, keys] scratch).
+        query_chunk: int = 1024
 
     def __init__(self, config: Config):
         super().__init__()
@@ -43,6 +54,7 @@ class LightningIndexer(Module):
         self.head_dim = config.head_dim
         self.rope_dim = config.rope_dim
         self.topk = config.topk
+        self.query_chunk = config.query_chunk
         init = config.linear_init
         self.wq_b = Linear.Config(
             in_features=config.q_lora_rank, out_features=config.n_heads * config.head_dim, param_init=init
@@ -55,22 +67,118 @@ class LightningIndexer(Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
-        """Returns `[B, S, min(topk, S)]` key indices; causal (a query never selects a later key)."""
+        """Returns `[B, S, min(topk, S)]` key indices, each query's highest-scoring keys.
+
+        Causal: later keys score -inf, so a query selects one only when it has fewer than
+        `topk` keys to choose from (the attention ignores those)."""
         bsz, seqlen, _ = x.shape
         q = self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).unsqueeze(2)
         q_pe, q_rest = q.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         k_pe, k_rest = k.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q_pe, k_pe = rope(q_pe, k_pe, positions)
-        q = torch.cat([q_pe, q_rest], dim=-1).float()
-        k = torch.cat([k_pe, k_rest], dim=-1).squeeze(2).float()
-        # [B, S, H, T]: per-head ReLU scores, mixed by per-token head weights.
-        scores = F.relu(torch.einsum("bshd,btd->bsht", q, k) * self.head_dim**-0.5)
+        q = torch.cat([q_pe, q_rest], dim=-1)
+        k = torch.cat([k_pe, k_rest], dim=-1).squeeze(2)
+        if q.dtype != torch.float32 and not q.is_cuda:
+            q, k = q.float(), k.float()
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        index_scores = torch.einsum("bsh,bsht->bst", weights, scores)
-        causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
-        index_scores = index_scores.masked_fill(~causal, float("-inf"))
-        return index_scores.topk(min(self.topk, seqlen), dim=-1).indices
+        topk = min(self.topk, seqlen)
+        chunk = seqlen if seqlen <= self.query_chunk else self.query_chunk
+        out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=x.device)
+        for s0 in range(0, seqlen, chunk):
+            s1 = min(seqlen, s0 + chunk)
+            # Keys a query of this chunk may see (plus enough to fill top-k); all of them
+            # when one chunk covers the sequence, which keeps small cases identical to
+            # scoring the full S x S matrix.
+            kend = seqlen if chunk == seqlen else min(seqlen, max(s1, topk))
+            out[:, s0:s1] = self._chunk_topk(q[:, s0:s1], k[:, :kend], weights[:, s0:s1], s0, topk)
+        return out
+
+    def _chunk_topk(self, q_BCHD, k_BTD, w_BCH, s0: int, topk: int) -> torch.Tensor:
+        bsz, c, h, d = q_BCHD.shape
+        t = k_BTD.size(1)
+        # [B, C*H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
+        scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
+        scores = F.relu_(scores)
+        w = w_BCH.reshape(bsz * c, 1, h)
+        if scores.dtype == torch.float32:
+            index_scores = torch.bmm(w, scores)
+        else:  # fp32 accumulation and result of the head mix
+            index_scores = torch.bmm(w.to(scores.dtype), scores, out_dtype=torch.float32)
+        index_scores = index_scores.view(bsz, c, t) * self.head_dim**-0.5
+        pos = torch.arange(s0, s0 + c, device=k_BTD.device)
+        future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
+        index_scores.masked_fill_(future, float("-inf"))
+        return index_scores.topk(topk, dim=-1).indices
+
+
+def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result (fp32 accumulation on every device)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+class _SparseLatentAttention(torch.autograd.Function):
+    """softmax(scale * q k^T over the selected keys) v, in MLA's latent space.
+
+    q_BSHC: queries (W_uk absorbed, rope part appended); kv_BSC: one latent key per
+    token whose first `v_dim` channels are also its value; idx_BSK: selected keys
+    (entries after the query's position are ignored). Chunked over queries; the
+    backward recomputes the gathered keys and scatter-adds key gradients in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BSHC, kv_BSC, idx_BSK, scale: float, v_dim: int, chunk: int):
+        bsz, seqlen, n_heads, _ = q_BSHC.shape
+        out = q_BSHC.new_empty(bsz, seqlen, n_heads, v_dim)
+        lse = torch.empty(bsz, seqlen, n_heads, dtype=torch.float32, device=q_BSHC.device)
+        for b in range(bsz):
+            for s0 in range(0, seqlen, chunk):
+                s1 = min(seqlen, s0 + chunk)
+                kc, p, l = _SparseLatentAttention._probs(q_BSHC[b, s0:s1], kv_BSC[b], idx_BSK[b, s0:s1], s0, scale)
+                out[b, s0:s1] = torch.bmm(p.to(q_BSHC.dtype), kc[..., :v_dim])
+                lse[b, s0:s1] = l
+        ctx.save_for_backward(q_BSHC, kv_BSC, idx_BSK, out, lse)
+        ctx.scale, ctx.v_dim, ctx.chunk = scale, v_dim, chunk
+        return out
+
+    @staticmethod
+    def _probs(q_CHD, kv_TD, idx_CK, s0: int, scale: float, lse_CH=None):
+        c, k = idx_CK.shape
+        kc = kv_TD.index_select(0, idx_CK.reshape(-1)).view(c, k, kv_TD.size(-1))
+        sc = _bmm32(q_CHD, kc.transpose(1, 2)).mul_(scale)
+        pos = torch.arange(s0, s0 + c, device=idx_CK.device)
+        sc.masked_fill_((idx_CK > pos[:, None]).unsqueeze(1), float("-inf"))
+        if lse_CH is None:
+            lse_CH = torch.logsumexp(sc, dim=-1)
+        return kc, sc.sub_(lse_CH.unsqueeze(-1)).exp_(), lse_CH
+
+    @staticmethod
+    def backward(ctx, dout_BSHV):
+        q_BSHC, kv_BSC, idx_BSK, out, lse = ctx.saved_tensors
+        scale, v_dim, chunk = ctx.scale, ctx.v_dim, ctx.chunk
+        bsz, seqlen, _, _ = q_BSHC.shape
+        dtype = q_BSHC.dtype
+        dq = torch.empty_like(q_BSHC)
+        dkv = torch.zeros(kv_BSC.shape, dtype=torch.float32, device=kv_BSC.device)
+        dout_BSHV = dout_BSHV.contiguous()
+        for b in range(bsz):
+            for s0 in range(0, seqlen, chunk):
+                s1 = min(seqlen, s0 + chunk)
+                qc, ic, doc = q_BSHC[b, s0:s1], idx_BSK[b, s0:s1], dout_BSHV[b, s0:s1]
+                kc, p, _ = _SparseLatentAttention._probs(qc, kv_BSC[b], ic, s0, scale, lse[b, s0:s1])
+                dp = _bmm32(doc, kc[..., :v_dim].transpose(1, 2))
+                delta = (doc.float() * out[b, s0:s1].float()).sum(-1, keepdim=True)
+                ds = p.mul(dp.sub_(delta)).mul_(scale).to(dtype)
+                p = p.to(dtype)
+                dq[b, s0:s1] = torch.bmm(ds, kc)
+                dkc = _bmm32(ds.transpose(1, 2), qc)
+                dkc[..., :v_dim] += _bmm32(p.transpose(1, 2), doc)
+                dkv[b].index_add_(0, ic.reshape(-1), dkc.view(-1, dkc.size(-1)))
+        return dq, dkv.to(kv_BSC.dtype), None, None, None, None
 
 
 class DSAAttention(Attention):
@@ -79,14 +187,19 @@ class DSAAttention(Attention):
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
         indexer: LightningIndexer.Config
+        impl: Literal["sparse", "dense_mask"] = "sparse"
+        # Queries per step of the sparse attention (bounds its gathered-key scratch).
+        query_chunk: int = 256
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.indexer = config.indexer.build()
+        self.impl = config.impl
+        self.query_chunk = config.query_chunk
 
     def forward(self, x: torch.Tensor, attention_masks: AttentionMasksType, positions: torch.Tensor | None = None):
         if attention_masks is not None:
-            raise ValueError("DSAAttention builds its own sparse causal mask; use the sdpa attention backend")
+            raise ValueError("DSAAttention builds its own sparse causal selection; use the sdpa attention backend")
         if self.q_lora_rank == 0:
             raise ValueError("DSA needs a q latent (q_lora_rank > 0)")
         bsz, seqlen, _ = x.shape
@@ -95,17 +208,38 @@ class DSAAttention(Attention):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(2), positions)
+        selected = self.indexer(x, q_latent, self.rope, positions)
+        if self.impl == "dense_mask" or self.wkv_b.bias is not None:
+            out = self._dense_mask_attention(q_nope, q_pe, kv, k_pe, selected)
+        else:
+            out = self._sparse_latent_attention(q_nope, q_pe, kv, k_pe, selected)
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+    def _sparse_latent_attention(self, q_nope, q_pe, kv, k_pe, selected):
+        """Attention over the selected keys in the shared latent space (absorbed W_uk / W_uv)."""
+        n_heads = q_nope.size(2)
+        w = self.wkv_b.weight.view(n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+        q_all = torch.cat([q_lat, q_pe], dim=-1)
+        kv_all = torch.cat([self.kv_norm(kv), k_pe.squeeze(2)], dim=-1)
+        o_lat = _SparseLatentAttention.apply(
+            q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk
+        )
+        return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+
+    def _dense_mask_attention(self, q_nope, q_pe, kv, k_pe, selected):
+        """The reference: every head's keys and values materialised, selection as an S x S mask."""
+        bsz, seqlen = q_nope.shape[:2]
         q = torch.cat([q_nope, q_pe], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
-
-        selected = self.indexer(x, q_latent, self.rope, positions)
-        mask = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=x.device)
+        mask = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=q.device)
         mask.scatter_(-1, selected, True)
-        mask &= torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+        mask &= torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril()
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask.unsqueeze(1), scale=self.softmax_scale,
         )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out.transpose(1, 2)
