@@ -51,6 +51,32 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rl_loop.config import RLConfig
+    from rl_loop.orchestrator import Orchestrator
+    from rl_loop.weight_sync import default_weight_sync
+
+    overrides = {}
+    for item in args.set or []:
+        key, _, raw = item.partition("=")
+        overrides[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false") or _is_number(raw) else raw
+    config = RLConfig.from_toml(args.config, overrides)
+    summary = asyncio.run(Orchestrator(config, resume=args.resume, weight_sync=default_weight_sync()).run())
+    print(f"\nrun finished: metrics {summary['metrics']}\n              plot    {summary['plot']}\n"
+          f"              tensorboard --logdir {summary['tensorboard']}")
+    return 0
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -78,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--init-scale", type=float, default=0.02)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(fn=cmd_make_tiny)
+
+    from rl_loop.config import describe
+
+    rl = sub.add_parser("rl", help="run RL: vLLM replicas + TorchTitan trainer + router, async",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="config keys (TOML sections), with defaults:\n" + describe())
+    rl.add_argument("--config", required=True, help="TOML file, e.g. configs/tiny_kimi_k2.toml")
+    rl.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
+    rl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=5")
+    rl.set_defaults(fn=cmd_rl)
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)

@@ -31,6 +31,7 @@ class Replica:
     process: subprocess.Popen | None = None
     log_path: Path | None = None
     up: bool = True
+    updating: bool = False
     policy_version: int = 0
     in_flight: int = 0
     stats: dict = field(default_factory=lambda: {"requests": 0, "failures": 0})

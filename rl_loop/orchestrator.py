@@ -1,0 +1,276 @@
+"""The async RL loop: rollouts on the replicas, rewards, advantages, batches for the trainer, weight sync.
+
+One step n:
+  1. generate: `prompts_per_step` groups of `samples_per_prompt` completions on the
+     replicas (through the embedded router), with logprobs and routing records;
+  2. score: task rewards, group-relative advantages; pack a batch (samples whose
+     routing record does not fit are rejected and counted);
+  3. train: the trainer subprocess (TorchTitan) takes the batch and publishes
+     weights version n;
+  4. sync: every replica loads version n (pause, update, resume).
+
+Off-policy limit: with `max_off_policy_steps` k >= 1 the rollouts of step n+1 are
+generated while the trainer trains step n, by policy n-1, i.e. one version
+behind the weights they are trained on; that lag never exceeds 1 (<= k). With
+k = 0 generation waits for the weights of the previous step (synchronous).
+A group whose policy version lags by more than k (a replica whose update
+failed, say) is dropped and counted, never trained on silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .advantages import group_advantages
+from .batch import ModelShape, Sample, pack
+from .config import RLConfig
+from .replicas import Replica, start_replica, stop_replica, wait_healthy
+from .report import Reporter, log
+from .router import embedded_pick
+from .rollouts import generate_group
+from .tasks import get_task
+from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
+
+
+@dataclass
+class Rollouts:
+    """The scored groups of one step and what producing them cost."""
+
+    samples: list[Sample]
+    generate_s: float
+    score_s: float
+    counters: dict = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(self, config: RLConfig, *, resume: bool = False, weight_sync=None):
+        self.cfg = config
+        self.resume = resume
+        self.run_dir = Path(config.run_dir).resolve()
+        self.task = get_task(config.rollout.task)
+        self.rng = random.Random(config.seed)
+        self.replicas: list[Replica] = []
+        self.trainer_proc: subprocess.Popen | None = None
+        self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
+        self.weight_sync = weight_sync
+
+    # ------------------------------------------------------------------ set-up
+
+    def init_checkpoint(self) -> Path:
+        if self.cfg.model.checkpoint:
+            return Path(self.cfg.model.checkpoint).resolve()
+        from .tiny_models import make_tiny_checkpoint
+
+        return make_tiny_checkpoint(self.cfg.model.arch, self.run_dir / "init", dtype="float32",
+                                    init_scale=self.cfg.model.init_scale, seed=self.cfg.seed)
+
+    def resume_step(self) -> int:
+        """The last step the trainer checkpointed (0 for a new run); newer batches and weights are discarded."""
+        ckpt = self.run_dir / "trainer" / "checkpoint"
+        steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*")) if ckpt.exists() else []
+        last = steps[-1] if steps else 0
+        for kind, pattern in (("batches", "step_*.pt"), ("weights", "v*"), ("trainer", "metrics_*.json")):
+            for p in (self.run_dir / kind).glob(pattern):
+                n = int("".join(ch for ch in p.name.split(".")[0] if ch.isdigit()) or 0)
+                if n > last:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return last
+
+    def start_trainer(self, init: Path) -> None:
+        c = self.cfg
+        TrainerSpec(model=c.model.arch, flavor=c.model.flavor, init_checkpoint=str(init), steps=c.train.steps,
+                    lr=c.train.lr, replay=c.train.replay, max_ratio=c.train.max_ratio,
+                    checkpoint_interval=c.train.checkpoint_interval).save(self.run_dir)
+        log_file = open(self.run_dir / "trainer.log", "a")
+        self.trainer_proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(c.train.nproc),
+             "-m", "rl_loop.trainer", str(self.run_dir)],
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def start_replicas(self, version: int, init: Path) -> None:
+        c = self.cfg.inference
+        if c.replicas == 0:
+            self.replicas = [Replica(name=f"r{i}", base_url=u.rstrip("/")) for i, u in enumerate(c.endpoints)]
+            if not self.replicas:
+                raise ValueError("inference.replicas = 0 needs inference.endpoints")
+            return
+        model = self.wait_for_weights(version) if version > 0 else init
+        self.replicas = [
+            start_replica(f"r{i}", model, c.base_port + i, self.run_dir / "replicas",
+                          dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs)
+            for i in range(c.replicas)
+        ]
+        for r in self.replicas:
+            r.policy_version = version
+        wait_healthy(self.replicas)
+
+    # ------------------------------------------------------------------ per step
+
+    async def rollouts(self, session, tokenizer, model_name: str, step: int) -> Rollouts:
+        c = self.cfg.rollout
+        prompts = self.task.prompts(self.rng, c.prompts_per_step)
+        counters = {"resent_groups": 0}
+        t0 = time.perf_counter()
+
+        async def one(i, prompt):
+            ids = tokenizer(prompt.text).input_ids
+            completions, replica = await generate_group(
+                session, self.replicas, embedded_pick, model_name, ids, f"{step}-{i}", counters,
+                n=c.samples_per_prompt, max_tokens=c.max_tokens, temperature=c.temperature,
+                seed=self.cfg.seed * 100003 + step * 1009 + i, timeout_s=self.cfg.inference.request_timeout_s,
+            )
+            # Syncs never overlap rollouts, so the replica's version now is the one that generated.
+            return prompt, ids, completions, replica.policy_version
+
+        groups = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        t1 = time.perf_counter()
+        samples = []
+        for g, (prompt, ids, completions, version) in enumerate(groups):
+            for comp in completions:
+                reward = self.task.reward(prompt, tokenizer.decode(comp.completion_ids))
+                samples.append(Sample(ids, comp.completion_ids, comp.logprobs, reward, g, version, comp.routing))
+        return Rollouts(samples, t1 - t0, time.perf_counter() - t1, counters)
+
+    def build_batch(self, rollouts: Rollouts, step: int, shape: ModelShape | None, pad_id: int):
+        k = self.cfg.rollout.max_off_policy_steps
+        fresh = [s for s in rollouts.samples if step - 1 - s.policy_version <= k]
+        stale_groups = {s.group for s in rollouts.samples} - {s.group for s in fresh}
+        self.counters["dropped_stale_groups"] += len(stale_groups)
+        groups = sorted({s.group for s in fresh})
+        n = self.cfg.rollout.samples_per_prompt
+        rewards = torch.tensor([[s.reward for s in fresh if s.group == g] for g in groups])
+        adv = group_advantages(rewards, normalize_std=self.cfg.train.normalize_std) if groups else rewards
+        for gi, g in enumerate(groups):
+            for j, s in enumerate([s for s in fresh if s.group == g][:n]):
+                s.advantage = float(adv[gi, j])
+        batch, rejected = pack(fresh, shape if self.cfg.train.replay else None, pad_id)
+        for idx, reason in rejected:
+            log(f"step {step}: sample {idx} rejected: {reason}")
+        self.counters["rejected_samples"] += len(rejected)
+        return batch, fresh
+
+    def wait_for_weights(self, version: int, timeout_s: float = 3600.0) -> Path:
+        path = weights_dir(self.run_dir, version)
+        deadline = time.time() + timeout_s
+        while not (path / "COMMIT").exists():
+            if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
+                raise RuntimeError(f"trainer exited ({self.trainer_proc.returncode}); see {self.run_dir}/trainer.log")
+            if time.time() > deadline:
+                raise TimeoutError(f"weights v{version} not published after {timeout_s:.0f}s")
+            time.sleep(0.05)
+        return path
+
+    async def wait_for_metrics(self, step: int) -> dict:
+        path = metrics_path(self.run_dir, step)
+        while not path.exists():
+            if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
+                raise RuntimeError(f"trainer exited ({self.trainer_proc.returncode}); see {self.run_dir}/trainer.log")
+            await asyncio.sleep(0.05)
+        self.wait_for_weights(step)
+        return json.loads(path.read_text())
+
+    async def sync(self, version: int) -> float:
+        """Every live replica loads `version`; a failed update leaves it on its old version (counted)."""
+        t0 = time.perf_counter()
+        path = weights_dir(self.run_dir, version)
+        for r in [r for r in self.replicas if r.up]:
+            r.updating = True
+            try:
+                await asyncio.to_thread(self.weight_sync, r, path, version)
+                r.policy_version = version
+            except Exception as exc:  # noqa: BLE001 - any failure: keep serving the old weights
+                self.counters["failed_syncs"] += 1
+                log(f"weight sync of {r.name} to v{version} failed, it keeps v{r.policy_version}: {exc}")
+            finally:
+                r.updating = False
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> dict:
+        import aiohttp
+        from transformers import AutoTokenizer
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start = self.resume_step() if self.resume else 0
+        if not self.resume and (self.run_dir / "trainer").exists():
+            raise FileExistsError(f"{self.run_dir} holds a previous run: use --resume or another run_dir")
+        init = self.init_checkpoint()
+        tokenizer = AutoTokenizer.from_pretrained(str(init))
+        from titan_ext.checkpoint import read_arch
+
+        arch = read_arch(init, self.cfg.model.arch)
+        shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
+        reporter = Reporter(self.run_dir, resume=self.resume)
+        self.start_trainer(init)
+        try:
+            self.start_replicas(start, init)
+            model_name = await asyncio.to_thread(_served_name, self.replicas[0])
+            k = self.cfg.rollout.max_off_policy_steps
+            async with aiohttp.ClientSession() as session:
+                pending = asyncio.create_task(self.rollouts(session, tokenizer, model_name, start + 1))
+                for step in range(start + 1, self.cfg.train.steps + 1):
+                    t_step = time.perf_counter()
+                    ro = await pending
+                    batch, fresh = self.build_batch(ro, step, shape, tokenizer.pad_token_id)
+                    if batch is None:
+                        raise RuntimeError(f"step {step}: no usable samples (all stale or rejected)")
+                    write_atomic(batch_path(self.run_dir, step), lambda t, b=batch: torch.save(b.to_dict(), t))
+                    ahead = k >= 1 and step < self.cfg.train.steps
+                    if ahead:  # generate step+1 with the current weights while the trainer trains
+                        pending = asyncio.create_task(self.rollouts(session, tokenizer, model_name, step + 1))
+                    t_wait = time.perf_counter()
+                    metrics = await self.wait_for_metrics(step)
+                    wait_s = time.perf_counter() - t_wait
+                    if ahead:
+                        await asyncio.wait([pending])
+                    sync_s = await self.sync(step)
+                    if not ahead and step < self.cfg.train.steps:
+                        pending = asyncio.create_task(self.rollouts(session, tokenizer, model_name, step + 1))
+                    record = {
+                        "step": step, "reward": sum(s.reward for s in fresh) / len(fresh),
+                        "k3_mean": metrics["mismatch_k3_mean"], "k3_max": metrics["mismatch_k3_max"],
+                        "extreme_frac": metrics["extreme_frac"], "masked_frac": metrics["masked_frac"],
+                        "router_disagreement": metrics.get("router_disagreement"), "loss": metrics["loss"],
+                        "gen_s": ro.generate_s, "score_s": ro.score_s, "train_s": metrics["train_s"],
+                        "sync_s": sync_s, "wait_s": wait_s, "trainer_wait_s": metrics["wait_s"],
+                        "step_s": time.perf_counter() - t_step, "samples": len(fresh),
+                        "policy_lag": step - 1 - min(s.policy_version for s in fresh),
+                        **{f"total_{k_}": v for k_, v in self.counters.items()},
+                    }
+                    self.counters["resent_groups"] += ro.counters.get("resent_groups", 0)
+                    record["total_resent_groups"] = self.counters["resent_groups"]
+                    reporter.step(record)
+            if self.trainer_proc is not None:
+                self.trainer_proc.wait(600)
+        finally:
+            for r in self.replicas:
+                stop_replica(r)
+            if self.trainer_proc is not None and self.trainer_proc.poll() is None:
+                import os
+                import signal
+
+                os.killpg(self.trainer_proc.pid, signal.SIGTERM)
+                self.trainer_proc.wait(60)
+        png = reporter.close()
+        summary = {"run_dir": str(self.run_dir), "metrics": str(reporter.jsonl), "plot": str(png) if png else None,
+                   "tensorboard": str(self.run_dir / "tensorboard"), **self.counters}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def _served_name(replica: Replica) -> str:
+    from .replicas import served_model_name
+
+    return served_model_name(replica)
