@@ -197,11 +197,16 @@ class RoutingRecord:
 
 @functools.lru_cache(maxsize=64)
 def _binom_table(n: int, k: int) -> np.ndarray:
-    """C(i, j) for i < n + 1, j <= k as uint64 (entries fit: callers ensure)."""
+    """C(i, j) for i <= n, j <= k as uint64, saturating at 2^64-1.
+
+    Colex terms of valid sets never exceed C(n, k) (which callers keep below
+    2^64), so saturated entries are never summed; they only need to stay
+    monotone for the unranking search."""
     t = np.zeros((n + 1, k + 1), dtype=np.uint64)
+    cap = (1 << 64) - 1
     for i in range(n + 1):
         for j in range(min(i, k) + 1):
-            t[i, j] = math.comb(i, j)
+            t[i, j] = min(math.comb(i, j), cap)
     return t
 
 
