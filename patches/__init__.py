@@ -29,6 +29,7 @@ PATCH_MODULES = (
     "patches.torch_distributed_set_timeout",
     "patches.torchtitan_cpu_device",
     "patches.fsdp_gloo_sum_reduction",
+    "patches.vllm_cpu_moe_reload_prepack",
 )
 
 

@@ -23,6 +23,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from .weights import register as register_weights
+
+    register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
     from .routing.capture import capture_enabled
 
     if not capture_enabled():

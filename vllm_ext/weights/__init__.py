@@ -1,0 +1,52 @@
+"""Weight sync for vLLM replicas: the ``moerl`` weight-transfer backend and its protocol.
+
+Pieces (capture -> ship -> apply, by file):
+
+* ``wire.py``: both transports, both ends, no vLLM import: filesystem
+  (safetensors shards + ``moerl_commit.json`` with checksums, written last) and
+  streaming over torch.distributed (gloo here; a process group per update);
+* ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
+  ``moerl``): receive whole, check against the served checkpoint's layout, apply
+  with vLLM's layerwise reload, roll back on failure;
+* ``api.py``: policy version in every completion/chat response, update state on
+  ``/metrics`` (``vllm_ext.metrics``);
+* ``client.py``: the trainer-side driver (HTTP, stdlib only): pause(keep) ->
+  start -> update -> finish(version) -> resume, for one or many replicas.
+
+``register()`` (called from ``vllm_ext.register``) registers the backend with
+``WeightTransferEngineFactory`` lazily (the engine module is imported only when
+a server selects ``--weight-transfer-config '{"backend": "moerl"}'``), applies
+``patches.vllm_cpu_moe_reload_prepack`` once vLLM's MoE layer is loaded, and
+installs the API hooks. Idempotent; imports vLLM only inside the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+BACKEND = "moerl"
+
+__all__ = ["BACKEND", "register"]
+
+logger = logging.getLogger("vllm_ext.weights")
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if os.environ.get("MOERL_WEIGHTS", "1") == "0":
+        return
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001 (no public lookup)
+        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_ext.weights.engine", "MoerlWeightTransferEngine")
+    try:
+        from . import api
+
+        api.install()
+    except Exception as exc:  # an engine-core or worker process without the API stack
+        logger.debug("moerl weights: API hooks not installed here: %s", exc)

