@@ -101,10 +101,7 @@ class LightningIndexer(Module):
         scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
         scores = F.relu_(scores)
         w = w_BCH.reshape(bsz * c, 1, h)
-        if scores.dtype == torch.float32:
-            index_scores = torch.bmm(w, scores)
-        else:  # fp32 accumulation and result of the head mix
-            index_scores = torch.bmm(w.to(scores.dtype), scores, out_dtype=torch.float32)
+        index_scores = _bmm32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
         index_scores = index_scores.view(bsz, c, t) * self.head_dim**-0.5
         pos = torch.arange(s0, s0 + c, device=k_BTD.device)
         future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
@@ -112,12 +109,22 @@ class LightningIndexer(Module):
         return index_scores.topk(topk, dim=-1).indices
 
 
+_BMM_OUT_DTYPE = [True]  # does this torch/device have bmm(..., out_dtype=float32) for 16-bit inputs?
+
+
 def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result (fp32 accumulation on every device)."""
     if a.dtype == torch.float32:
         return torch.bmm(a, b)
-    if a.is_cuda:
+    if a.is_cuda and torch.compiler.is_compiling():
         return torch.bmm(a, b, out_dtype=torch.float32)
+    if a.is_cuda and _BMM_OUT_DTYPE[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _BMM_OUT_DTYPE[0] = False
+    if a.is_cuda:
+        return torch.bmm(a, b).float()  # fp32 accumulation, 16-bit rounding of the result
     return torch.bmm(a.float(), b.float())
 
 

@@ -1,0 +1,415 @@
+"""titan_ext's MoE block and DSA attention on one GPU: forward+backward speed, side by side.
+
+MoE block: the MoE layer of our Kimi-K2 / GLM-5 full configs (hidden 7168 / 6144, expert
+dim 2048, top-8, one shared expert, sigmoid router with bias) with the local expert count of
+EP=8 (48 / 32 experts), built by titan_ext's builder with the lean local dispatcher
+(`titan_ext.models.experts.LeanTokenDispatcher`). Measured in one run, on the same routed
+rows: the grouped-GEMM expert FFN alone (`torch._grouped_mm` SwiGLU fwd+bwd, the roofline),
+the block in bf16 (eager and compiled), with and without router replay, TorchTitan's stock
+dispatcher for comparison, and the block in fp8 (torchao: rowwise fp8 grouped GEMMs for the
+experts, tensorwise Float8Linear for the shared expert; torch.compile). FLOPs count every
+matmul the block does (gate, routed experts, shared expert), 3x the forward for fwd+bwd.
+fp8 numerics: loss mean(out^2) and every gradient against bf16 on the same inputs/weights.
+
+DSA: GLM-5's attention layer (titan_ext's DSAAttention, sparse implementation) forward+
+backward at 32k and 128k tokens against TorchTitan's dense MLA attention (causal SDPA) at
+the same length; time and peak memory.
+
+    python benchmarks/moe_block.py --out benchmarks/results/moe_block_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import titan_ext  # noqa: E402,F401  (applies patches/ before torchtitan is imported)
+from torchtitan.config import derive  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.builder import build_model_config  # noqa: E402
+from titan_ext.models.experts import LeanTokenDispatcher  # noqa: E402
+from titan_ext.replay import replay_routing  # noqa: E402
+
+LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}  # 384 / 8 and 256 / 8
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def timed(fn, iters: int, warmup: int) -> float:
+    """Median milliseconds of fn() over iters runs, after warmup runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = False):
+    arch = dataclasses.replace(get_arch(model, "full"), num_experts=LOCAL_EXPERTS[model], n_layers=2, n_dense_layers=1)
+    cfg = build_model_config(arch)
+    moe_cfg = next(layer for layer in cfg.layers if layer.moe is not None).moe
+    if not stock_dispatcher:
+        d = moe_cfg.routed_experts.token_dispatcher
+        moe_cfg.routed_experts.token_dispatcher = derive(d, LeanTokenDispatcher.Config, pad_multiple=pad_multiple)
+    with torch.device(dev):
+        moe = moe_cfg.build()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.normal_(0, 0.02 if "gate" not in name else 0.05)
+        moe.expert_bias_E.zero_()
+        for p in moe.parameters():  # bf16 compute, as under FSDP2 mixed precision; buffers stay fp32
+            p.data = p.data.to(torch.bfloat16)
+    return moe.train(), arch
+
+
+def block_flops(arch, tokens: int) -> dict:
+    d, f, k, e = arch.dim, arch.moe_hidden_dim, arch.top_k, arch.num_experts
+    routed = 3 * (2 * 3 * tokens * k * d * f)
+    shared = 3 * (2 * 3 * tokens * d * f * arch.num_shared_experts)
+    gate = 3 * (2 * tokens * d * e)
+    return {"routed": routed, "shared": shared, "gate": gate, "total": routed + shared + gate}
+
+
+
+def to_fp8(moe):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization.quant_api import quantize_
+
+    quantize_(moe, config=Float8TrainingOpConfig(), filter_fn=lambda m, _fqn: isinstance(m, GroupedExperts))
+    convert_to_float8_training(moe.shared_experts, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return moe
+
+
+def zero_grads(m):
+    for p in m.parameters():
+        p.grad = None
+
+
+def compile_block(moe):
+    moe.routed_experts.compile()
+    moe.shared_experts.compile()
+
+
+def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool, iters: int) -> float:
+    """ms of the expert SwiGLU FFN alone (fwd+bwd) on the routed rows `counts_E` describe."""
+    d, f = arch.dim, arch.moe_hidden_dim
+    e = counts_E.numel()
+    if fp8:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as gmm8
+
+        counts_E = (counts_E + 15) // 16 * 16
+        gmm = lambda a, b, offs: gmm8(a, b, offs, torch.bfloat16, torch.float8_e4m3fn, False)  # noqa: E731
+    else:
+        gmm = lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+    rows = int(counts_E.sum())
+    offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    w1 = (torch.randn(e, f, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_(True)
+    w3 = (torch.randn(e, f, d, device=dev, dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_(True)
+    w2 = (torch.randn(e, d, f, device=dev, dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_(True)
+    gy = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def step():
+        for t in (x, w1, w2, w3):
+            t.grad = None
+        h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
+        gmm(h, w2.transpose(-2, -1), offs).backward(gy)
+
+    ms = timed(step, iters, 2)
+    del x, w1, w2, w3, gy
+    return ms
+
+
+def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: int):
+    bf16, arch = build_moe(model, dev)
+    fp8_model = None
+    for tokens in tokens_list:
+        fl = block_flops(arch, tokens)
+        g = torch.Generator(device=dev).manual_seed(tokens)
+        x = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        gy = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            _, own_ids, _ = bf16.router(x, bf16.expert_bias_E)
+            counts = torch.bincount(own_ids.reshape(-1), minlength=LOCAL_EXPERTS[model])
+            replay_ids = own_ids.clone()
+            flip = torch.rand(tokens, device=dev, generator=g) < 0.05  # 5% of tokens routed differently
+            replay_ids[0, flip] = (replay_ids[0, flip] + 1) % LOCAL_EXPERTS[model]
+            replay_ids = replay_ids.unsqueeze(2)  # [B, S, moe layers, K]
+        roof_ms = grouped_ffn_roofline(arch, counts, dev, fp8=False, iters=iters)
+        roof = fl["routed"] / roof_ms / 1e9
+        log(f"{model} T={tokens} roofline grouped FFN bf16: {roof_ms:.2f} ms {roof:.1f} TFLOP/s")
+        roof8 = None
+        try:
+            roof8_ms = grouped_ffn_roofline(arch, counts, dev, fp8=True, iters=iters)
+            roof8 = fl["routed"] / roof8_ms / 1e9
+            log(f"{model} T={tokens} grouped FFN fp8 (torchao rowwise): {roof8_ms:.2f} ms {roof8:.1f} TFLOP/s")
+        except Exception:
+            log("fp8 grouped FFN failed:\n" + traceback.format_exc(limit=3))
+
+        def run_block(m, replay):
+            def step():
+                zero_grads(m)
+                x.grad = None
+                with replay_routing(m, replay_ids) if replay else nullcontext():
+                    m(x).backward(gy)
+            return step
+
+        def add(dtype, replay, ms, variant, **extra):
+            tf = fl["total"] / ms / 1e9
+            res["cases"].append({
+                "model": model, "tokens": tokens, "dtype": dtype, "replay": replay, "variant": variant,
+                "ms": round(ms, 3), "tflops": round(tf, 1), "roofline_tflops": round(roof, 1),
+                "fraction_of_roofline": round(tf / roof, 3),
+                "fp8_grouped_ffn_tflops": round(roof8, 1) if roof8 else None,
+                "flops": fl, "routed_rows": tokens * arch.top_k, **extra,
+            })
+            log(f"{model} T={tokens} {dtype} replay={replay} {variant}: {ms:.2f} ms {tf:.1f} TFLOP/s "
+                f"({tf / roof:.1%} of roofline)")
+            write(res)
+
+        for replay in (False, True):
+            add("bf16", replay, timed(run_block(bf16, replay), iters, 2), "eager")
+        if tokens == max(tokens_list):
+            stock, _ = build_moe(model, dev, stock_dispatcher=True)
+            add("bf16", False, timed(run_block(stock, False), iters, 2), "eager, torchtitan stock dispatcher")
+            del stock
+        torch.cuda.empty_cache()
+
+        if time.time() < deadline:
+            try:
+                if fp8_model is None:
+                    fp8_model, _ = build_moe(model, dev, pad_multiple=16)
+                    fp8_model.load_state_dict(bf16.state_dict())
+                    to_fp8(fp8_model)
+                    compile_block(fp8_model)
+                    num = fp8_numerics(bf16, fp8_model, x)
+                    res.setdefault("fp8_numerics", {})[model] = num
+                    log(f"{model} fp8 vs bf16 numerics: {json.dumps(num)}")
+                for replay in (False, True):
+                    add("fp8", replay, timed(run_block(fp8_model, replay), iters, 3), "compiled")
+            except Exception:
+                log("fp8 block failed:\n" + traceback.format_exc())
+                res["errors"].append(f"{model} T={tokens} fp8: {traceback.format_exc(limit=2)}")
+        torch.cuda.empty_cache()
+        if time.time() < deadline:
+            try:
+                cbf = copy.deepcopy(bf16)
+                compile_block(cbf)
+                for replay in (False, True):
+                    add("bf16", replay, timed(run_block(cbf, replay), iters, 3), "compiled")
+                del cbf
+            except Exception:
+                log("bf16 compiled failed:\n" + traceback.format_exc())
+                res["errors"].append(f"{model} T={tokens} bf16 compiled: {traceback.format_exc(limit=2)}")
+        del x, gy
+        torch.cuda.empty_cache()
+    del bf16, fp8_model
+    torch.cuda.empty_cache()
+
+
+def fp8_numerics(bf16, fp8_model, x_full) -> dict:
+    """Loss mean(out^2) and gradients of fp8 vs bf16, same weights, same 8192 tokens."""
+    x0 = x_full[:, :8192].detach()
+    out = {}
+    grads = {}
+    for name, m in (("bf16", bf16), ("fp8", fp8_model)):
+        zero_grads(m)
+        xi = x0.clone().requires_grad_(True)
+        y = m(xi)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        out[name] = loss.item()
+        grads[name] = {"x": xi.grad.float()}
+        for pn, p in m.named_parameters():
+            if p.grad is not None:
+                g = p.grad
+                g = g._data if hasattr(g, "_data") else g
+                grads[name][pn] = g.float()
+        zero_grads(m)
+    rel = {}
+    for pn, gb in grads["bf16"].items():
+        gf = grads["fp8"].get(pn)
+        if gf is not None:
+            rel[pn] = round(((gf - gb).norm() / gb.norm()).item(), 5)
+    return {"loss_bf16": out["bf16"], "loss_fp8": out["fp8"],
+            "loss_rel_diff": abs(out["fp8"] - out["bf16"]) / abs(out["bf16"]), "grad_rel_l2": rel}
+
+
+def dsa_cases(tokens_list, dev, res, iters):
+    from torchtitan.models.deepseek_v3.model import Attention
+
+    arch = get_arch("glm5", "full")
+    for tokens in tokens_list:
+        for heads in (arch.n_heads, arch.n_heads // 2):
+            entry = {"tokens": tokens, "heads": heads}
+            try:
+                a2 = dataclasses.replace(arch, n_heads=heads, n_layers=1, n_dense_layers=1)
+                attn_cfg = build_model_config(a2).layers[0].attention
+                dense_cfg = Attention.Config(**{f.name: getattr(attn_cfg, f.name) for f in dataclasses.fields(Attention.Config)})
+                with torch.device(dev):
+                    dsa = attn_cfg.build()
+                torch.manual_seed(0)
+                with torch.no_grad():
+                    for p in dsa.parameters():
+                        p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+                dsa = dsa.to(torch.bfloat16)
+                g = torch.Generator(device=dev).manual_seed(tokens)
+                x = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                gy = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g)
+
+                def step(m):
+                    def f():
+                        zero_grads(m)
+                        x.grad = None
+                        m(x, None, None).backward(gy)
+                    return f
+
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                entry["ms"] = round(timed(step(dsa), iters, 1), 1)
+                entry["gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                entry["gib_above_inputs"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+                with torch.no_grad():
+                    idx = dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None)
+                    torch.cuda.synchronize()
+                    entry["indexer_ms"] = round(timed(lambda: dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None), 1, 0), 1)
+                    del idx
+                log(f"DSA T={tokens} heads={heads}: {entry['ms']} ms, peak {entry['gib']} GiB (indexer {entry['indexer_ms']} ms)")
+                del dsa
+                torch.cuda.empty_cache()
+                with torch.device(dev):
+                    dense = dense_cfg.build()
+                with torch.no_grad():
+                    for p in dense.parameters():
+                        p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+                dense = dense.to(torch.bfloat16)
+                torch.cuda.reset_peak_memory_stats()
+                entry["dense_ms"] = round(timed(step(dense), 1 if tokens > 65536 else iters, 1), 1)
+                entry["dense_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                entry["speedup_vs_dense"] = round(entry["dense_ms"] / entry["ms"], 2)
+                log(f"dense MLA T={tokens} heads={heads}: {entry['dense_ms']} ms, peak {entry['dense_gib']} GiB")
+                del dense, x, gy
+                torch.cuda.empty_cache()
+                res["dsa"].append(entry)
+                write(res)
+                break
+            except torch.OutOfMemoryError:
+                log(f"DSA T={tokens} heads={heads}: out of memory, fewer heads")
+                torch.cuda.empty_cache()
+                entry["error"] = "out of memory"
+                if heads == arch.n_heads // 2:
+                    res["dsa"].append(entry)
+            except Exception:
+                log("DSA failed:\n" + traceback.format_exc())
+                entry["error"] = traceback.format_exc(limit=2)
+                res["dsa"].append(entry)
+                torch.cuda.empty_cache()
+                break
+    write(res)
+
+
+OUT_PATH = [None]
+
+
+def write(res):
+    with open(OUT_PATH[0], "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/moe_block_h200.json")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--models", nargs="+", default=["kimi_k2", "glm5"])
+    ap.add_argument("--dsa-tokens", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=480, help="no new compiled case after this many seconds")
+    ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--skip-dsa", action="store_true")
+    args = ap.parse_args()
+    OUT_PATH[0] = args.out
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": "python " + " ".join(sys.argv),
+        "setup": {
+            "local_experts": LOCAL_EXPERTS, "expert_dim": 2048, "top_k": 8, "shared_experts": 1,
+            "dispatcher": "titan_ext LeanTokenDispatcher (EP=1 path)", "dtype": "bf16 params and activations",
+            "fp8": "torchao rowwise fp8 grouped GEMMs (Float8TrainingOpConfig) + tensorwise Float8Linear shared expert, "
+                   "torch.compile on routed_experts and shared_experts",
+            "replay": "ReplayRouter with recorded ids (5% of tokens differ from own top-k)",
+            "roofline": "torch._grouped_mm SwiGLU expert FFN alone, fwd+bwd, same routed rows per expert",
+            "flops": "gate + routed experts + shared expert matmuls, fwd+bwd = 3x fwd",
+            "fp8_tolerance": {"loss_rel_diff": 0.01, "grad_rel_l2": 0.1},
+        },
+        "cases": [], "dsa": [], "errors": [],
+        "ep": None,
+        "ep_note": "no 2-GPU H200 machine (nvidia-h200-x2) was lent to this session: expert-parallel dispatch not measured",
+    }
+    try:
+        import torchao
+
+        res["torchao"] = torchao.__version__
+    except Exception as e:  # noqa: BLE001
+        res["torchao"] = f"unavailable: {e}"
+    deadline = T0 + args.budget_s
+    if not args.skip_dsa:  # first: bounded, and needs no compilation
+        dsa_cases(args.dsa_tokens, dev, res, max(2, args.iters // 2))
+    if not args.skip_moe:
+        for model in args.models:
+            try:
+                moe_cases(model, args.tokens, dev, res, deadline, args.iters)
+            except Exception:
+                log("MoE failed:\n" + traceback.format_exc())
+                res["errors"].append(f"{model}: {traceback.format_exc(limit=3)}")
+                torch.cuda.empty_cache()
+    res["wall_s"] = round(time.time() - T0, 1)
+    write(res)
+    print("\n== summary ==")
+    for c in res["cases"]:
+        print(f"{c['model']:8s} T={c['tokens']:6d} {c['dtype']:4s} replay={int(c['replay'])} {c['variant']:38s} "
+              f"{c['ms']:9.2f} ms {c['tflops']:7.1f} TF/s  roof {c['roofline_tflops']:6.1f} ({c['fraction_of_roofline']:.1%})")
+    for d in res["dsa"]:
+        print("DSA", d)
+    for k, v in res.get("fp8_numerics", {}).items():
+        print("fp8 numerics", k, v["loss_rel_diff"], max(v["grad_rel_l2"].values()))
+    for e in res["errors"]:
+        print("ERROR", e[:400])
+
+
+if __name__ == "__main__":
+    main()
