@@ -68,7 +68,15 @@ def moe_layer_indices(hf_config: Any, num_moe_layers: int | None = None) -> tupl
 
 
 def encode_rows(rows: np.ndarray, hf_config: Any, start: int) -> str:
-    """Captured rows of one choice -> the base64 payload for the response."""
+    """Captured rows of one choice -> the base64 payload for the response.
+
+    vLLM's own capture (GPU, Model Runner V2) returns every decoder layer,
+    dense ones as zeros: those columns are dropped, so the record is the same
+    whichever capture produced it."""
+    layers = moe_layer_indices(hf_config)
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    if rows.shape[1] != len(layers) and rows.shape[1] == int(cfg.num_hidden_layers):
+        rows = rows[:, list(layers)]
     layers = moe_layer_indices(hf_config, rows.shape[1])
     rec = RoutingRecord(rows, layers, num_routed_experts(hf_config), start)
     return encode_record_b64(rec)

@@ -108,3 +108,16 @@ def test_inject_into_final_chunk_only():
     out = inject_into_chunk(final, pending)
     assert '"routed_experts":"PAYLOAD"' in out and pending == {}
     assert inject_into_chunk("data: [DONE]\n\n", {0: "x"}) == "data: [DONE]\n\n"
+
+
+def test_all_layer_rows_from_vllm_capture_drop_dense_columns():
+    from vllm_ext.api import encode_rows
+    from vllm_ext.routing.record import decode_record_b64
+
+    cfg = _Cfg(num_hidden_layers=4, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=64)
+    rng = np.random.default_rng(3)
+    moe = np.sort(np.argpartition(rng.random((5, 3, 64)), 5, axis=-1)[..., :6], axis=-1).astype(np.uint8)
+    full = np.concatenate([np.zeros((5, 1, 6), np.uint8), moe], axis=1)  # dense layer 0 as zeros
+    for rows in (moe, full):
+        rec = decode_record_b64(encode_rows(rows, cfg, start=2))
+        assert rec.moe_layers == (1, 2, 3) and rec.start == 2 and np.array_equal(rec.expert_ids, moe)

@@ -69,7 +69,8 @@ class RoutingCapture:
             raise ValueError(f"{self.num_experts} experts do not fit the int16 capture buffer")
         # int16 with -1 as "not written": a step whose rows a layer did not
         # write (a kernel that bypasses the hook) is detected, never shipped.
-        self._buf = torch.full((len(runners), max_tokens, self.top_k), -1, dtype=torch.int16)
+        device = next(model.parameters()).device
+        self._buf = torch.full((len(runners), max_tokens, self.top_k), -1, dtype=torch.int16, device=device)
         for j, m in enumerate(runners):
             if getattr(m, "is_monolithic", False):
                 raise ValueError(f"MoE layer {m.layer_name}: fused monolithic kernels bypass the capture hook")
@@ -86,7 +87,7 @@ class RoutingCapture:
 
     def step_rows(self, num_tokens: int) -> np.ndarray:
         """The step's rows ``[num_tokens, L, K]`` (padding tokens dropped)."""
-        rows = self._buf[:, :num_tokens].numpy()
+        rows = self._buf[:, :num_tokens].cpu().numpy()
         if (rows < 0).any():
             bad = [self.moe_layers[j] for j in range(rows.shape[0]) if (rows[j] < 0).any()]
             raise RuntimeError(f"MoE layers {bad} did not report routing for this step")
