@@ -30,6 +30,7 @@ PATCH_MODULES = (
     "patches.torchtitan_cpu_device",
     "patches.fsdp_gloo_sum_reduction",
     "patches.vllm_cpu_moe_reload_prepack",
+    "patches.vllm_cpu_mla_rope",
 )
 
 

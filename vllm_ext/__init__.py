@@ -17,12 +17,18 @@ _registered = False
 def register() -> None:
     """Install routing capture (engine side) and the response field (API side).
 
+    Also applies the vLLM runtime patches this process needs (`patches.vllm_cpu_mla_rope`).
+
     Set MOERL_ROUTING=0 to load the plugin without capture.
     """
     global _registered
     if _registered:
         return
     _registered = True
+    from patches import vllm_cpu_mla_rope
+
+    if vllm_cpu_mla_rope.PATCH.needed():  # before any model is built in this process
+        vllm_cpu_mla_rope.PATCH.apply()
     from .weights import register as register_weights
 
     register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
