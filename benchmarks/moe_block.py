@@ -360,6 +360,9 @@ def main():
     OUT_PATH[0] = args.out
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
+    # One code object (RoutedExperts.forward) is compiled per model x shape x dtype: 8 here.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 512
     res = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
