@@ -108,7 +108,8 @@ class Orchestrator:
         model = self.wait_for_weights(version) if version > 0 else init
         self.replicas = [
             start_replica(f"r{i}", model, c.base_port + i, self.run_dir / "replicas",
-                          dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs)
+                          dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
+                          enforce_eager=c.enforce_eager)
             for i in range(c.replicas)
         ]
         for r in self.replicas:

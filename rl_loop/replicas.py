@@ -41,24 +41,25 @@ class Replica:
 
 
 def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: int = 64,
-                   extra: list[str] | None = None) -> list[str]:
+                   enforce_eager: bool = True, extra: list[str] | None = None) -> list[str]:
     """The vLLM command line moerl uses on CPU (DESIGN §3: block size 32, memory fraction 0.3)."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
         "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "1024",
         "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching", "--seed", "0",
-        *(extra or []),
+        *(["--enforce-eager"] if enforce_eager else []), *(extra or []),
     ]
 
 
-def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str,
-                  max_num_seqs: int = 64, extra: list[str] | None = None, env: dict | None = None) -> Replica:
+def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str, max_num_seqs: int = 64,
+                  enforce_eager: bool = True, extra: list[str] | None = None, env: dict | None = None) -> Replica:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     with open(log_path, "w") as fh:
-        proc = subprocess.Popen(server_command(model, port, dtype=dtype, max_num_seqs=max_num_seqs, extra=extra),
+        proc = subprocess.Popen(server_command(model, port, dtype=dtype, max_num_seqs=max_num_seqs,
+                                               enforce_eager=enforce_eager, extra=extra),
                                 stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     return Replica(name=name, base_url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
 
