@@ -130,7 +130,7 @@ def publish_weights(model: torch.nn.Module, model_config, arch, out: Path, asset
 
 
 def main(argv: list[str] | None = None) -> None:
-    import titan_ext  # noqa: F401  (applies the runtime patches)
+    import titan_ext  # noqa: F401 - importing it applies the runtime patches
     from titan_ext.checkpoint import read_arch
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg.checkpoint.initial_load_in_hf = True
     cfg.checkpoint.initial_load_model_only = True
     cfg.checkpoint.last_save_model_only = False
+    # Batches come from the run directory, not TorchTitan's dataloader: its state is irrelevant,
+    # and excluding it lets a run resume with a different number of trainer processes.
+    cfg.checkpoint.exclude_from_loading = ["dataloader"]
     trainer = cfg.build()
     trainer.checkpointer.load()
     model = trainer.model_parts[0]
