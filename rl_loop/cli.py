@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-MODELS = ("kimi_k2", "glm5")
+MODELS = ("kimi_k2", "glm5", "qwen3_moe")
 
 
 def _print_json(obj: dict) -> None:
@@ -56,14 +56,13 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
     from rl_loop.config import RLConfig
     from rl_loop.orchestrator import Orchestrator
-    from rl_loop.weight_sync import default_weight_sync
 
     overrides = {}
     for item in args.set or []:
         key, _, raw = item.partition("=")
         overrides[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false") or _is_number(raw) else raw
     config = RLConfig.from_toml(args.config, overrides)
-    summary = asyncio.run(Orchestrator(config, resume=args.resume, weight_sync=default_weight_sync()).run())
+    summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
     print(f"\nrun finished: metrics {summary['metrics']}\n              plot    {summary['plot']}\n"
           f"              tensorboard --logdir {summary['tensorboard']}")
     return 0

@@ -7,27 +7,39 @@ distributed trainer loads through TorchTitan's checkpointer with the same adapte
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .models import ARCHS, get_arch, spec_from_arch
-from .models.arch import MLAMoEArch
-from .models.state_dict_adapter import MLAMoEStateDictAdapter
+from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
 
 _HF_ARCH_OF_MODEL = {name: flavors["full"].hf_architecture for name, flavors in ARCHS.items()}
 
 
-def read_arch(ckpt_dir: str | Path, model: str) -> MLAMoEArch:
-    """The architecture in `ckpt_dir/config.json`, checked against the titan_ext model name."""
-    get_arch(model, "full")  # raises UnknownModelError listing the models
+def _config_json(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --hf-checkpoint must be an HF model directory")
-    arch = MLAMoEArch.from_hf_config(json.loads(path.read_text()))
+    return json.loads(path.read_text())
+
+
+def model_of_checkpoint(ckpt_dir: str | Path) -> str:
+    """The titan_ext model name for the architecture in `ckpt_dir/config.json`."""
+    hf_arch = (_config_json(ckpt_dir).get("architectures") or ["?"])[0]
+    for name, want in _HF_ARCH_OF_MODEL.items():
+        if want == hf_arch:
+            return name
+    raise ValueError(f"{ckpt_dir}: architecture {hf_arch!r} is not one titan_ext ports; "
+                     f"supported: {sorted(set(_HF_ARCH_OF_MODEL.values()))}")
+
+
+def read_arch(ckpt_dir: str | Path, model: str) -> Arch:
+    """The architecture in `ckpt_dir/config.json`, checked against the titan_ext model name."""
+    get_arch(model, "full")  # raises UnknownModelError listing the models
+    path = Path(ckpt_dir) / "config.json"
+    arch = arch_from_hf_config(_config_json(ckpt_dir))
     if arch.hf_architecture != _HF_ARCH_OF_MODEL[model]:
         raise ValueError(
             f"{path} describes {arch.hf_architecture}, but --model {model} expects {_HF_ARCH_OF_MODEL[model]}"
@@ -53,7 +65,7 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
     spec = spec_from_arch(model, "checkpoint", arch)
     with torch.device("meta"):
         meta_model = spec.model.build()
-    adapter = MLAMoEStateDictAdapter(spec.model)
+    adapter = spec.state_dict_adapter(spec.model, None)
     expected = {k: tuple(v.shape) for k, v in adapter.to_hf(meta_model.state_dict()).items()}
     handles = [safe_open(str(f), "pt") for f in _safetensors_files(ckpt_dir)]
     shapes = {k: tuple(h.get_slice(k).get_shape()) for h in handles for k in h.keys()}
@@ -64,33 +76,19 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
     return titan_model.eval(), arch
 
 
-COMMIT_MARKER = "COMMIT"
-_ASSET_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json")
-
-
-def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], model_config, arch: MLAMoEArch, out_dir: str | Path,
-                        *, assets_from: str | Path | None = None, commit: bool = False) -> Path:
-    """Write a titan_ext state dict (plain tensors) as an HF checkpoint transformers and vLLM load.
-
-    `assets_from` copies tokenizer files from another checkpoint; `commit` writes
-    the COMMIT marker last, so a reader never sees a half-written version.
-    """
+def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], model_config, arch: Arch,
+                        out_dir: str | Path) -> Path:
+    """Write a titan_ext state dict (plain tensors) as an HF checkpoint transformers and vLLM load."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_sd = MLAMoEStateDictAdapter(model_config).to_hf({k: v.detach() for k, v in state_dict.items()})
+    hf_sd = state_dict_adapter_cls(arch)(model_config, None).to_hf({k: v.detach() for k, v in state_dict.items()})
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = arch.to_hf_config()
     cfg["torch_dtype"] = str(next(iter(hf_sd.values())).dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    if assets_from is not None:
-        for pattern in _ASSET_GLOBS:
-            for f in Path(assets_from).glob(pattern):
-                shutil.copyfile(f, out / f.name)
-    if commit:
-        (out / COMMIT_MARKER).write_text("")
     return out
 
 
-def export_hf_checkpoint(titan_model: torch.nn.Module, arch: MLAMoEArch, out_dir: str | Path) -> Path:
+def export_hf_checkpoint(titan_model: torch.nn.Module, arch: Arch, out_dir: str | Path) -> Path:
     """Write a single-process model as an HF checkpoint (config.json + model.safetensors)."""
     return write_hf_checkpoint(titan_model.state_dict(), titan_model.config, arch, out_dir)

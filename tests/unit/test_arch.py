@@ -1,13 +1,14 @@
 import pytest
 
-from titan_ext.models import ARCHS, UnknownModelError, get_arch
+from titan_ext.models import ARCHS, UnknownModelError, arch_from_hf_config, get_arch
 from titan_ext.models.arch import MLAMoEArch
 
 
 @pytest.mark.parametrize("model,flavor", [(m, f) for m in ARCHS for f in ARCHS[m]])
 def test_hf_config_round_trip(model, flavor):
     arch = get_arch(model, flavor)
-    assert MLAMoEArch.from_hf_config(arch.to_hf_config()) == arch
+    assert type(arch).from_hf_config(arch.to_hf_config()) == arch
+    assert arch_from_hf_config(arch.to_hf_config()) == arch
 
 
 def test_real_configs_are_what_the_issue_specifies():

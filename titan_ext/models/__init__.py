@@ -1,4 +1,9 @@
-"""titan_ext's model registry: model name -> flavors -> TorchTitan ModelSpec."""
+"""titan_ext's model registry: model name -> flavors -> TorchTitan ModelSpec.
+
+Two families: the MLA + MoE models (Kimi-K2, GLM-5: `MLAMoEArch`, built on TorchTitan's
+DeepSeek-V3 blocks) and Qwen3-MoE (`Qwen3MoEArch`, on TorchTitan's Qwen3 blocks). Everything
+else (checkpoint loading, parity, info) goes through `spec_from_arch` / `arch_from_hf_config`.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,18 @@ from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.protocols.model_spec import ModelSpec
 
-from . import glm5, kimi_k2
+from . import glm5, kimi_k2, qwen3_moe
 from .arch import MLAMoEArch
 from .builder import AttnBackend, build_model_config
+from .qwen3_moe import Qwen3MoEArch
 from .state_dict_adapter import MLAMoEStateDictAdapter
 
-ARCHS: dict[str, dict[str, MLAMoEArch]] = {
+Arch = MLAMoEArch | Qwen3MoEArch
+
+ARCHS: dict[str, dict[str, Arch]] = {
     "kimi_k2": kimi_k2.FLAVORS,
     "glm5": glm5.FLAVORS,
+    "qwen3_moe": qwen3_moe.FLAVORS,
 }
 
 
@@ -22,7 +31,7 @@ class UnknownModelError(ValueError):
     pass
 
 
-def get_arch(model: str, flavor: str) -> MLAMoEArch:
+def get_arch(model: str, flavor: str) -> Arch:
     if model not in ARCHS:
         raise UnknownModelError(f"unknown model {model!r}; titan_ext has: {', '.join(sorted(ARCHS))}")
     if flavor not in ARCHS[model]:
@@ -32,7 +41,21 @@ def get_arch(model: str, flavor: str) -> MLAMoEArch:
     return ARCHS[model][flavor]
 
 
-def spec_from_arch(name: str, flavor: str, arch: MLAMoEArch, *, attn_backend: AttnBackend = "sdpa") -> ModelSpec:
+def arch_from_hf_config(cfg: dict) -> Arch:
+    """The titan_ext architecture a transformers `config.json` dict describes (ValueError if none)."""
+    if (cfg.get("architectures") or ["?"])[0] == qwen3_moe.HF_ARCHITECTURE:
+        return Qwen3MoEArch.from_hf_config(cfg)
+    return MLAMoEArch.from_hf_config(cfg)
+
+
+def state_dict_adapter_cls(arch: Arch) -> type:
+    """The HF <-> titan_ext state-dict adapter class of `arch`'s family."""
+    return qwen3_moe.Qwen3MoEStateDictAdapter if isinstance(arch, Qwen3MoEArch) else MLAMoEStateDictAdapter
+
+
+def spec_from_arch(name: str, flavor: str, arch: Arch, *, attn_backend: AttnBackend = "sdpa") -> ModelSpec:
+    if isinstance(arch, Qwen3MoEArch):
+        return qwen3_moe.spec_from_arch(name, flavor, arch, attn_backend=attn_backend)
     return ModelSpec(
         name=name,
         flavor=flavor,
@@ -40,7 +63,7 @@ def spec_from_arch(name: str, flavor: str, arch: MLAMoEArch, *, attn_backend: At
         parallelize_fn=parallelize_deepseekv3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
-        state_dict_adapter=MLAMoEStateDictAdapter,
+        state_dict_adapter=state_dict_adapter_cls(arch),
     )
 
 
