@@ -39,6 +39,8 @@ from .report import Reporter, log
 from .router import embedded_pick
 from .rollouts import generate_group
 from .tasks import get_task
+from vllm_ext.weights.wire import COMMIT_MARKER
+
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
 
 
@@ -52,8 +54,15 @@ class Rollouts:
     counters: dict = field(default_factory=dict)
 
 
+def push_weights(replica: Replica, path: Path, version: int) -> None:
+    """Load committed version `path` into `replica` (pause, update, resume; the old weights stay on failure)."""
+    from vllm_ext.weights.client import push_fs
+
+    push_fs([replica.base_url], path, version)
+
+
 class Orchestrator:
-    def __init__(self, config: RLConfig, *, resume: bool = False, weight_sync=None):
+    def __init__(self, config: RLConfig, *, resume: bool = False, weight_sync=push_weights):
         self.cfg = config
         self.resume = resume
         self.run_dir = Path(config.run_dir).resolve()
@@ -90,7 +99,8 @@ class Orchestrator:
         c = self.cfg
         TrainerSpec(model=c.model.arch, flavor=c.model.flavor, init_checkpoint=str(init), steps=c.train.steps,
                     lr=c.train.lr, replay=c.train.replay, max_ratio=c.train.max_ratio,
-                    checkpoint_interval=c.train.checkpoint_interval).save(self.run_dir)
+                    checkpoint_interval=c.train.checkpoint_interval,
+                    wire_dtype=self.cfg.model.inference_dtype).save(self.run_dir)
         log_file = open(self.run_dir / "trainer.log", "a")
         self.trainer_proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(c.train.nproc),
@@ -105,16 +115,18 @@ class Orchestrator:
             if not self.replicas:
                 raise ValueError("inference.replicas = 0 needs inference.endpoints")
             return
-        model = self.wait_for_weights(version) if version > 0 else init
         self.replicas = [
-            start_replica(f"r{i}", model, c.base_port + i, self.run_dir / "replicas",
+            start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
                           dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
                           enforce_eager=c.enforce_eager)
             for i in range(c.replicas)
         ]
-        for r in self.replicas:
-            r.policy_version = version
         wait_healthy(self.replicas)
+        if version > 0:  # resumed: bring the fresh replicas to the trainer's version
+            path = self.wait_for_weights(version)
+            for r in self.replicas:
+                self.weight_sync(r, path, version)
+                r.policy_version = version
 
     # ------------------------------------------------------------------ per step
 
@@ -164,7 +176,7 @@ class Orchestrator:
     def wait_for_weights(self, version: int, timeout_s: float = 3600.0) -> Path:
         path = weights_dir(self.run_dir, version)
         deadline = time.time() + timeout_s
-        while not (path / "COMMIT").exists():
+        while not (path / COMMIT_MARKER).exists():
             if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
                 raise RuntimeError(f"trainer exited ({self.trainer_proc.returncode}); see {self.run_dir}/trainer.log")
             if time.time() > deadline:

@@ -48,6 +48,8 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: in
         "--model", str(model), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
         "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "1024",
         "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching", "--seed", "0",
+        # the moerl weight-transfer backend (vllm_ext.weights) receives trainer weights
+        "--weight-transfer-config", json.dumps({"backend": "moerl"}),
         *(["--enforce-eager"] if enforce_eager else []), *(extra or []),
     ]
 

@@ -11,7 +11,7 @@ and publishes the new weights as an HF checkpoint for the inference replicas.
 The run directory is the whole protocol, so the orchestrator and the trainer can
 be restarted independently:
     batches/step_NNNNNN.pt       written by the orchestrator (atomic rename)
-    weights/vNNNNNN/             HF checkpoint of policy version N, then COMMIT
+    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.weights filesystem transport)
     trainer/metrics_NNNNNN.json  loss and mismatch metrics of step N
     trainer/checkpoint/          TorchTitan checkpoints
 
@@ -46,6 +46,7 @@ class TrainerSpec:
     replay: bool
     max_ratio: float
     checkpoint_interval: int
+    wire_dtype: str = "bfloat16"
     max_grad_norm: float = 1.0
     poll_s: float = 0.05
 
@@ -118,15 +119,19 @@ def reduce_metrics(local: dict, total_tokens: int) -> dict:
             "mismatch_k3_max": peak.item(), "tokens": total_tokens}
 
 
-def publish_weights(model: torch.nn.Module, model_config, arch, out: Path, assets_from: str) -> None:
-    """Write the current weights as an HF checkpoint (rank 0 writes; every rank joins the gathers)."""
-    from titan_ext.checkpoint import write_hf_checkpoint
+def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype: torch.dtype) -> None:
+    """Write policy `version` for the replicas (vllm_ext's filesystem transport), one layer at a time.
 
-    full = {}
-    for name, value in model.state_dict().items():
-        full[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    Every rank takes part in the per-layer gathers; rank 0 writes the shards and,
+    last, the commit marker, so a replica never loads a half-written version.
+    """
+    from titan_ext.weights import drain, iter_hf_weights
+    from vllm_ext.weights.wire import write_fs
+
     if dist.get_rank() == 0:
-        write_atomic(out, lambda tmp: write_hf_checkpoint(full, model_config, arch, tmp, assets_from=assets_from, commit=True))
+        write_fs(out, iter_hf_weights(model, dtype=wire_dtype), version)
+    else:
+        drain(model, dtype=wire_dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_config = LossConfig(max_ratio=spec.max_ratio)
+    wire_dtype = getattr(torch, spec.wire_dtype)
     if trainer.step == 0:
-        publish_weights(model, cfg.model_spec.model, arch, weights_dir(run_dir, 0), spec.init_checkpoint)
+        publish_weights(model, weights_dir(run_dir, 0), 0, wire_dtype)
     while trainer.step < spec.steps:
         step = trainer.step + 1
         path = batch_path(run_dir, step)
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         trainer.checkpointer.save(curr_step=step, last_step=step == spec.steps)
-        publish_weights(model, cfg.model_spec.model, arch, weights_dir(run_dir, step), spec.init_checkpoint)
+        publish_weights(model, weights_dir(run_dir, step), step, wire_dtype)
         publish_s = time.perf_counter() - t1
         if rank == 0:
             grad = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm

@@ -11,6 +11,7 @@ from rl_loop.trainer import TrainerSpec, batch_path, metrics_path, weights_dir, 
 from tests.conftest import run_torchrun
 from titan_ext.checkpoint import load_hf_checkpoint
 from titan_ext.replay import moe_routers
+from vllm_ext.weights.wire import COMMIT_MARKER, read_fs
 
 
 def _write_batch(run, step, model, arch, seed):
@@ -48,20 +49,21 @@ def test_trainer_steps_publishes_versions_and_resumes(tiny_checkpoint, tmp_path)
     m1 = json.loads(metrics_path(run, 1).read_text())
     # On-policy batch replaying the policy's own routing: no mismatch, no disagreement.
     assert m1["mismatch_k3_max"] < 1e-6 and m1["router_disagreement"] == 0.0 and m1["tokens"] == 20
-    v0, v1 = (load_file(weights_dir(run, v) / "model.safetensors") for v in (0, 1))
-    assert all((weights_dir(run, v) / "COMMIT").exists() for v in (0, 1))
+    assert all((weights_dir(run, v) / COMMIT_MARKER).exists() for v in (0, 1))
+    v0, v1 = (dict(read_fs(weights_dir(run, v))[1]) for v in (0, 1))
     original = load_file(ckpt / "model.safetensors")
-    assert all(torch.equal(v0[k], original[k]) for k in original)
+    assert v0.keys() == original.keys()
+    assert all(torch.equal(v0[k], original[k].to(torch.bfloat16)) for k in original), "v0 is the initial policy"
     assert any(not torch.equal(v0[k], v1[k]) for k in v0)
 
     # A second invocation with more steps resumes from the step-1 checkpoint instead of starting over.
     spec.steps = 2
     spec.save(run)
     _write_batch(run, 2, model, arch, seed=1)
-    v1_mtime = (weights_dir(run, 1) / "model.safetensors").stat().st_mtime_ns
+    v1_mtime = (weights_dir(run, 1) / COMMIT_MARKER).stat().st_mtime_ns
     proc = run_torchrun(1, "-m", "rl_loop.trainer", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     m2 = json.loads(metrics_path(run, 2).read_text())
     assert m2["step"] == 2 and m2["router_disagreement"] > 0, "step 2 replays records of the initial policy"
-    assert (weights_dir(run, 2) / "COMMIT").exists()
-    assert (weights_dir(run, 1) / "model.safetensors").stat().st_mtime_ns == v1_mtime
+    assert (weights_dir(run, 2) / COMMIT_MARKER).exists()
+    assert (weights_dir(run, 1) / COMMIT_MARKER).stat().st_mtime_ns == v1_mtime
