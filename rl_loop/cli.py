@@ -68,6 +68,19 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mismatch(args: argparse.Namespace) -> int:
+    from rl_loop.mismatch import MismatchConfig, run_mismatch
+
+    r = run_mismatch(MismatchConfig(
+        hf_checkpoint=args.hf_checkpoint, json_out=args.json_out, prompts_file=args.prompts,
+        num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        dtype=args.dtype, port=args.port, batch_size=args.batch_size, name=args.name, log_dir=args.log_dir))
+    print(f"{r['name']}: {r['num_completions']} completions, k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
+          f"with replay (floor {r['kl_floor']:.3e}), max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}, "
+          f"extreme {r['extreme_frac_no_replay']:.2e} -> {r['extreme_frac_replay']:.2e}; written to {args.json_out}")
+    return 0
+
+
 def _is_number(s: str) -> bool:
     try:
         float(s)
@@ -113,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
     rl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=5")
     rl.set_defaults(fn=cmd_rl)
+
+    mm = sub.add_parser("mismatch", help="trainer vs vLLM token-probability mismatch, with and without router replay")
+    mm.add_argument("--hf-checkpoint", required=True, metavar="DIR")
+    mm.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: built-in prompts)")
+    mm.add_argument("--num-samples", type=int, default=256, help="completions (one per prompt)")
+    mm.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (EOS ignored)")
+    mm.add_argument("--json-out", required=True, metavar="FILE")
+    mm.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="vLLM inference dtype")
+    mm.add_argument("--temperature", type=float, default=1.0)
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--port", type=int, default=18600, help="port of the vLLM server started for the run")
+    mm.add_argument("--batch-size", type=int, default=16, help="sequences per trainer forward")
+    mm.add_argument("--name", help="label in the report (default: model and checkpoint directory)")
+    mm.add_argument("--log-dir", help="where the vLLM server log goes (default: a temporary directory)")
+    mm.set_defaults(fn=cmd_mismatch)
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
