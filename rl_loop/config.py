@@ -35,6 +35,7 @@ class InferenceConfig:
     )
     base_port: int = knob(18400, "first port of the managed replicas")
     max_num_seqs: int = knob(64, "vLLM --max-num-seqs of each managed replica")
+    kv_cache_gib: float = knob(1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM")
     enforce_eager: bool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up: faster start)")
     request_timeout_s: float = knob(120.0, "per-request timeout; a replica that times out is marked down")
 

