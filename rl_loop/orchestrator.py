@@ -225,7 +225,7 @@ class Orchestrator:
 
         arch = read_arch(init, self.cfg.model.arch)
         shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
-        reporter = Reporter(self.run_dir, resume=self.resume)
+        reporter = Reporter(self.run_dir, resume_step=start)
         self.start_trainer(init)
         try:
             self.start_replicas(start, init)
@@ -260,6 +260,7 @@ class Orchestrator:
                         "sync_s": sync_s, "wait_s": wait_s, "trainer_wait_s": metrics["wait_s"],
                         "step_s": time.perf_counter() - t_step, "samples": len(fresh),
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
+                        "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},
                         **{f"total_{k_}": v for k_, v in self.counters.items()},
                     }
                     self.counters["resent_groups"] += ro.counters.get("resent_groups", 0)

@@ -11,11 +11,12 @@ _COLUMNS = (("step", "{:>4}"), ("reward", "{:6.3f}"), ("k3_mean", "{:9.2e}"), ("
 
 
 class Reporter:
-    def __init__(self, run_dir: Path, *, resume: bool):
+    def __init__(self, run_dir: Path, *, resume_step: int = 0):
+        """A new run starts an empty log; a resumed one keeps the records up to `resume_step`."""
         self.run_dir = run_dir
         self.jsonl = run_dir / "metrics.jsonl"
-        if not resume and self.jsonl.exists():
-            self.jsonl.unlink()
+        kept = [r for r in self.records() if r["step"] <= resume_step]
+        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
