@@ -56,8 +56,8 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = knob(30, "optimizer steps")
-    lr: float = knob(2e-3, "AdamW learning rate")
+    steps: int = knob(40, "optimizer steps")
+    lr: float = knob(1e-3, "AdamW learning rate")
     replay: bool = knob(True, "router replay: the trainer uses the experts inference chose")
     max_ratio: float = knob(2.0, "tokens with p_train/p_infer outside [1/r, r] are masked from the loss")
     normalize_std: bool = knob(False, "divide group advantages by the group's reward std")
