@@ -57,6 +57,7 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 120.0
     bucket_bytes: int | None = None
     streams: int = 1
+    session: str | None = None
     rollback: bool = True
 
 
@@ -140,7 +141,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                 raise WeightUpdateError("stream update needs 'addr' and 'port'")
             version, items = stream_receive(
                 addr=info.addr, port=info.port, rank=info.rank, world_size=info.world_size,
-                timeout_s=info.timeout_s, streams=info.streams, version=info.version,
+                timeout_s=info.timeout_s, streams=info.streams, session=info.session, version=info.version,
                 expected=self.expected, staging=self.staging,
             )
         else:

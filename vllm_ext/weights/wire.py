@@ -360,16 +360,22 @@ class StreamSender:
         self.streams = max(1, int(streams))
         self.pgs = None
         self._buckets: list[torch.Tensor | None] = [None] * self.streams
+        self._sends = 0
 
     def update_info(self, rank: int, version: int) -> dict:
         return {"transport": "stream", "version": int(version), "addr": self.addr, "port": self.port,
                 "rank": rank, "world_size": self.world_size, "timeout_s": self.timeout_s,
-                "bucket_bytes": self.bucket_bytes, "streams": self.streams}
+                "bucket_bytes": self.bucket_bytes, "streams": self.streams, "session": self._session(version)}
 
-    def connect(self) -> None:
-        if self.pgs is None:
-            self.pgs = [_make_group(self.addr, self.port, 0, self.world_size, self.timeout_s, store=self.store,
-                                    prefix=f"s{i}")[1] for i in range(self.streams)]
+    def _session(self, version: int) -> str:
+        return f"{int(version)}-{self._sends}"
+
+    def connect(self, version: int) -> None:
+        """Join this update's process groups (new ones per update: a receiver may have
+        dropped its groups after a failure, and a replica joins per update)."""
+        session = self._session(version)
+        self.pgs = [_make_group(self.addr, self.port, 0, self.world_size, self.timeout_s, store=self.store,
+                                prefix=f"{session}/s{i}")[1] for i in range(self.streams)]
 
     def send(self, metas: list[TensorMeta], tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
              version: int) -> int:
@@ -377,7 +383,7 @@ class StreamSender:
 
         Units go out in waves of ``streams``, one per process group, so the
         groups' TCP connections run in parallel."""
-        self.connect()
+        self.connect(version)
         pg0 = self.pgs[0]
         manifest = json.dumps({"format": FORMAT, "version": int(version), "bucket_bytes": self.bucket_bytes,
                                "streams": self.streams, "tensors": [m.to_json() for m in metas]}).encode()
@@ -404,6 +410,8 @@ class StreamSender:
             for w in works:
                 w.wait()
         _bcast(pg0, torch.tensor([total, int(digest(manifest), 16) & 0x7FFFFFFFFFFFFFFF], dtype=torch.int64))
+        self.pgs = None
+        self._sends += 1
         return total
 
     def close(self) -> None:
@@ -430,6 +438,7 @@ def _next_tensor(it: Iterator, meta: TensorMeta) -> torch.Tensor:
 
 def stream_receive(
     *, addr: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0, streams: int = 1,
+    session: str | None = None,
     version: int | None = None, expected: dict[str, TensorMeta] | None = None,
     staging: "StagingCache | None" = None, **_ignored,
 ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
@@ -444,7 +453,7 @@ def stream_receive(
         store = None
         for i in range(max(1, int(streams))):
             store, pg = _make_group(addr, int(port), int(rank), int(world_size), float(timeout_s), store=store,
-                                    prefix=f"s{i}")
+                                    prefix=f"{session or version}/s{i}")
             pgs.append(pg)
     except Exception as exc:
         raise WeightUpdateError(f"stream: cannot join the sender at {addr}:{port} as rank {rank}: {exc}") from exc
