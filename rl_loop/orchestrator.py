@@ -84,15 +84,18 @@ class Orchestrator:
                                     init_scale=self.cfg.model.init_scale, seed=self.cfg.seed)
 
     def resume_step(self) -> int:
-        """The last step the trainer checkpointed (0 for a new run); newer batches and weights are discarded."""
+        """The step to continue after: the newest trainer checkpoint whose step was reported and whose
+        weights were published (0: start over). Everything newer (checkpoints, batches, weights,
+        trainer metrics) is discarded, so trainer, replicas and logs all restart from that step."""
+        reported = {r["step"] for r in Reporter.read(self.run_dir)}
         ckpt = self.run_dir / "trainer" / "checkpoint"
         steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*")) if ckpt.exists() else []
-        last = steps[-1] if steps else 0
-        for kind, pattern in (("batches", "step_*.pt"), ("weights", "v*"), ("trainer", "metrics_*.json")):
-            for p in (self.run_dir / kind).glob(pattern):
-                n = int("".join(ch for ch in p.name.split(".")[0] if ch.isdigit()) or 0)
-                if n > last:
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        usable = [n for n in steps if n in reported and (weights_dir(self.run_dir, n) / COMMIT_MARKER).exists()]
+        last = usable[-1] if usable else 0
+        for path in [*ckpt.glob("step-*"), *(self.run_dir / "batches").glob("step_*.pt"),
+                     *(self.run_dir / "weights").glob("v*"), *(self.run_dir / "trainer").glob("metrics_*.json")]:
+            if _step_of(path.name) > last:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         return last
 
     def start_trainer(self, init: Path) -> None:
@@ -282,6 +285,11 @@ class Orchestrator:
                    "tensorboard": str(self.run_dir / "tensorboard"), **self.counters}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def _step_of(name: str) -> int:
+    """The step number in `step-12`, `step_000012.pt`, `v000012`, `metrics_000012.json`."""
+    return int("".join(ch for ch in name.split(".")[0] if ch.isdigit()) or 0)
 
 
 def _served_name(replica: Replica) -> str:

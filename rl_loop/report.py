@@ -15,7 +15,7 @@ class Reporter:
         """A new run starts an empty log; a resumed one keeps the records up to `resume_step`."""
         self.run_dir = run_dir
         self.jsonl = run_dir / "metrics.jsonl"
-        kept = [r for r in self.records() if r["step"] <= resume_step]
+        kept = [r for r in self.read(run_dir) if r["step"] <= resume_step]
         self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.tb = None
         try:
@@ -40,15 +40,17 @@ class Reporter:
             row.append(fmt.format(v) if v is not None else "-".rjust(len(fmt.format(0))))
         print("  ".join(row), flush=True)
 
-    def records(self) -> list[dict]:
-        if not self.jsonl.exists():
+    @staticmethod
+    def read(run_dir: Path) -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
             return []
-        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def close(self) -> Path | None:
         if self.tb is not None:
             self.tb.close()
-        return plot(self.records(), self.run_dir / "rl.png")
+        return plot(self.read(self.run_dir), self.run_dir / "rl.png")
 
 
 def plot(records: list[dict], out: Path) -> Path | None:
