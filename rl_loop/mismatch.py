@@ -185,6 +185,18 @@ def trainer_pass(model, batches: list, *, replay: bool) -> PassResult:
     return res
 
 
+def bf16_params_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The trainer's bf16 twin: parameters in bf16, buffers untouched (what FSDP2's param_dtype=bf16 does).
+
+    Not `model.to(torch.bfloat16)`: that also casts complex buffers (TorchTitan's ComplexRoPE
+    `freqs_cis`) to a real dtype, dropping their imaginary part.
+    """
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return twin
+
+
 def _k3_stats(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> dict:
     k3 = mismatch_k3(logp_train.double(), logp_infer.double())
     log_ratio = (logp_train - logp_infer).double()
@@ -231,7 +243,7 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
 
     fp32_own = trainer_pass(model, batches, replay=False)
     fp32_replay = trainer_pass(model, batches, replay=True)
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    bf16_model = bf16_params_copy(model)
     bf16_replay = trainer_pass(bf16_model, batches, replay=True)
     del bf16_model
 
