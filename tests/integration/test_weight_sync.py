@@ -168,7 +168,7 @@ def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path) -> str:
             try:
                 rep.post("/update_weights", {"update_info": {
                     "transport": "stream", "version": 7, "addr": "127.0.0.1", "port": port, "rank": 1,
-                    "world_size": 2, "timeout_s": 30, "streams": 1}})
+                    "world_size": 2, "timeout_s": 30, "streams": 1, "session": "7-0"}})
             except WeightSyncError as exc:
                 err.append(str(exc))
 
