@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
+
 from . import Patch
 
 _MOD = "vllm.model_executor.layers.rotary_embedding.base"
@@ -89,7 +91,9 @@ def _needed() -> bool:
 
 
 def _flat(x, num_tokens: int):
-    return x.reshape(num_tokens, -1).contiguous()
+    # Always a fresh buffer: a view (e.g. one decode token, where the strided layout is
+    # trivially contiguous) would make the copy back an overlapping self-copy.
+    return x.reshape(num_tokens, -1).clone(memory_format=torch.contiguous_format)
 
 
 def _apply() -> None:

@@ -105,8 +105,9 @@ def test_vllm_cpu_rope_kernel_still_misrotates_mla_layout():
     assert not patch_mod.PATCH.needed()
 
 
+@pytest.mark.parametrize("tokens", [1, 9])  # 1: a decode step, where the strided views are trivially contiguous
 @pytest.mark.parametrize("neox", [False, True])
-def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox):
+def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox, tokens):
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -118,7 +119,7 @@ def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox):
         rope = get_rope(64, max_position=4096, is_neox_style=neox,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
-    tokens, heads, nope, kv_lora = 9, 3, 32, 512
+    heads, nope, kv_lora = 3, 32, 512
     q = torch.randn(tokens, heads, nope + 64, generator=gen).to(torch.bfloat16)
     kv = torch.randn(tokens, kv_lora + 64, generator=gen).to(torch.bfloat16)
     positions = torch.arange(100, 100 + tokens)
