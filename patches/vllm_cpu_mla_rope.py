@@ -24,12 +24,13 @@ trainer), False off the CPU platform, and otherwise probes the unpatched kernel
 on a tiny MLA-shaped layout against vLLM's own torch implementation
 (`RotaryEmbedding.forward_static`), so a fixed kernel turns the patch off by
 itself. The vllm_ext plugin applies it in every vLLM process (`register()`),
-before any model is built.
+before any model is built. `MOERL_VLLM_CPU_MLA_ROPE=0` leaves the kernel unpatched.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -73,9 +74,12 @@ def mla_probe_error() -> float:
 
 
 PROBE_TOLERANCE = 0.05
+DISABLE_ENV = "MOERL_VLLM_CPU_MLA_ROPE"  # =0 leaves the kernel unpatched
 
 
 def _needed() -> bool:
+    if os.environ.get(DISABLE_ENV, "1") in ("0", "false", "off"):
+        return False  # left off on purpose (tests compare against the unpatched kernel)
     if "vllm" not in sys.modules:
         return False  # not a vLLM process: nothing here runs vLLM's rope
     from vllm.platforms import current_platform
