@@ -197,10 +197,12 @@ class Orchestrator:
         return json.loads(path.read_text())
 
     async def sync(self, version: int) -> float:
-        """Every live replica loads `version`; a failed update leaves it on its old version (counted)."""
+        """Every live replica loads `version`, all at once; a failed update leaves that replica on its
+        old version (counted) and does not hold up the others."""
         t0 = time.perf_counter()
         path = weights_dir(self.run_dir, version)
-        for r in [r for r in self.replicas if r.up]:
+
+        async def one(r: Replica) -> None:
             r.updating = True
             try:
                 await asyncio.to_thread(self.weight_sync, r, path, version)
@@ -210,6 +212,8 @@ class Orchestrator:
                 log(f"weight sync of {r.name} to v{version} failed, it keeps v{r.policy_version}: {exc}")
             finally:
                 r.updating = False
+
+        await asyncio.gather(*(one(r) for r in self.replicas if r.up))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the loop
