@@ -197,12 +197,10 @@ class Orchestrator:
         return json.loads(path.read_text())
 
     async def sync(self, version: int) -> float:
-        """Every live replica loads `version`, all at once; a failed update leaves that replica on its
-        old version (counted) and does not hold up the others."""
+        """Every live replica loads `version`; a failed update leaves it on its old version (counted)."""
         t0 = time.perf_counter()
         path = weights_dir(self.run_dir, version)
-
-        async def one(r: Replica) -> None:
+        for r in [r for r in self.replicas if r.up]:
             r.updating = True
             try:
                 await asyncio.to_thread(self.weight_sync, r, path, version)
@@ -212,8 +210,6 @@ class Orchestrator:
                 log(f"weight sync of {r.name} to v{version} failed, it keeps v{r.policy_version}: {exc}")
             finally:
                 r.updating = False
-
-        await asyncio.gather(*(one(r) for r in self.replicas if r.up))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the loop
