@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
+from .matmul import bmm_fp32
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -55,25 +57,6 @@ class NativeDtypeGroupedExperts(GroupedExperts):
 # ---------------------------------------------------------------------------
 
 
-_BMM_OUT_DTYPE = [True]
-
-
-def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (fp32 accumulation on every device)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    if a.is_cuda and torch.compiler.is_compiling():
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    if a.is_cuda and _BMM_OUT_DTYPE[0]:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            _BMM_OUT_DTYPE[0] = False
-    if a.is_cuda:
-        return torch.bmm(a, b).float()
-    return torch.bmm(a.float(), b.float())
-
-
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
@@ -104,7 +87,7 @@ class _CombineRows(torch.autograd.Function):
         y_RD, src_R, slot_TK, score_R = ctx.saved_tensors
         g_RD = grad_TD.index_select(0, src_R)
         g_R1D, y_RD1 = g_RD.unsqueeze(1), y_RD.unsqueeze(2)
-        grad_s_R = _bmm32(g_R1D, y_RD1).view(-1)  # fp32, as TorchTitan's fp32 score product gives
+        grad_s_R = bmm_fp32(g_R1D, y_RD1).view(-1)  # fp32, as TorchTitan's fp32 score product gives
         grad_scores_TK = grad_s_R.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(ctx.scores_dtype)
         grad_y_RD = g_RD.mul_(score_R.to(g_RD.dtype).unsqueeze(1))
         return grad_y_RD, grad_scores_TK, None, None, None

@@ -32,6 +32,8 @@ from torchtitan.models.common.nn_modules import LayerNorm
 from torchtitan.models.deepseek_v3.model import Attention
 from torchtitan.protocols.module import Module
 
+from ..matmul import bmm_fp32
+
 
 class LightningIndexer(Module):
     """Scores every (query, key) pair cheaply and returns each query's top-k keys."""
@@ -101,31 +103,12 @@ class LightningIndexer(Module):
         scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
         scores = F.relu_(scores)
         w = w_BCH.reshape(bsz * c, 1, h)
-        index_scores = _bmm32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
+        index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
         index_scores = index_scores.view(bsz, c, t) * self.head_dim**-0.5
         pos = torch.arange(s0, s0 + c, device=k_BTD.device)
         future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
         index_scores.masked_fill_(future, float("-inf"))
         return index_scores.topk(topk, dim=-1).indices
-
-
-_BMM_OUT_DTYPE = [True]  # does this torch/device have bmm(..., out_dtype=float32) for 16-bit inputs?
-
-
-def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (fp32 accumulation on every device)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    if a.is_cuda and torch.compiler.is_compiling():
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    if a.is_cuda and _BMM_OUT_DTYPE[0]:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            _BMM_OUT_DTYPE[0] = False
-    if a.is_cuda:
-        return torch.bmm(a, b).float()  # fp32 accumulation, 16-bit rounding of the result
-    return torch.bmm(a.float(), b.float())
 
 
 class _SparseLatentAttention(torch.autograd.Function):
@@ -156,7 +139,7 @@ class _SparseLatentAttention(torch.autograd.Function):
     def _probs(q_CHD, kv_TD, idx_CK, s0: int, scale: float, lse_CH=None):
         c, k = idx_CK.shape
         kc = kv_TD.index_select(0, idx_CK.reshape(-1)).view(c, k, kv_TD.size(-1))
-        sc = _bmm32(q_CHD, kc.transpose(1, 2)).mul_(scale)
+        sc = bmm_fp32(q_CHD, kc.transpose(1, 2)).mul_(scale)
         pos = torch.arange(s0, s0 + c, device=idx_CK.device)
         sc.masked_fill_((idx_CK > pos[:, None]).unsqueeze(1), float("-inf"))
         if lse_CH is None:
@@ -177,13 +160,13 @@ class _SparseLatentAttention(torch.autograd.Function):
                 s1 = min(seqlen, s0 + chunk)
                 qc, ic, doc = q_BSHC[b, s0:s1], idx_BSK[b, s0:s1], dout_BSHV[b, s0:s1]
                 kc, p, _ = _SparseLatentAttention._probs(qc, kv_BSC[b], ic, s0, scale, lse[b, s0:s1])
-                dp = _bmm32(doc, kc[..., :v_dim].transpose(1, 2))
+                dp = bmm_fp32(doc, kc[..., :v_dim].transpose(1, 2))
                 delta = (doc.float() * out[b, s0:s1].float()).sum(-1, keepdim=True)
                 ds = p.mul(dp.sub_(delta)).mul_(scale).to(dtype)
                 p = p.to(dtype)
                 dq[b, s0:s1] = torch.bmm(ds, kc)
-                dkc = _bmm32(ds.transpose(1, 2), qc)
-                dkc[..., :v_dim] += _bmm32(p.transpose(1, 2), doc)
+                dkc = bmm_fp32(ds.transpose(1, 2), qc)
+                dkc[..., :v_dim] += bmm_fp32(p.transpose(1, 2), doc)
                 dkv[b].index_add_(0, ic.reshape(-1), dkc.view(-1, dkc.size(-1)))
         return dq, dkv.to(kv_BSC.dtype), None, None, None, None
 
