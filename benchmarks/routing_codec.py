@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import math
 import os
 import platform
 import sys
@@ -90,7 +89,7 @@ def captured_hf(e, k, tokens, layers=4, seed=0):
 
 def corpus_tokens(n):
     """Token ids of real text from the tiny tokenizer's corpus."""
-    from rl_loop.tiny_models import _corpus, train_tokenizer  # the project's tiny tokenizer
+    from titan_ext.tiny_assets import corpus, train_tokenizer  # the project's tiny tokenizer
     import tempfile
 
     from transformers import AutoTokenizer
@@ -98,7 +97,7 @@ def corpus_tokens(n):
     with tempfile.TemporaryDirectory() as d:
         train_tokenizer(Path(d))
         tok = AutoTokenizer.from_pretrained(d)
-    ids = tok(" ".join(_corpus()))["input_ids"]
+    ids = tok(" ".join(corpus()))["input_ids"]
     reps = -(-n // len(ids))
     return (ids * reps)[:n]
 

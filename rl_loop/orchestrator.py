@@ -34,7 +34,7 @@ import torch
 from .advantages import group_advantages
 from .batch import ModelShape, Sample, pack
 from .config import RLConfig
-from .replicas import Replica, start_replica, stop_replica, wait_healthy
+from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .router import embedded_pick
 from .rollouts import generate_group
@@ -232,7 +232,7 @@ class Orchestrator:
         self.start_trainer(init)
         try:
             self.start_replicas(start, init)
-            model_name = await asyncio.to_thread(_served_name, self.replicas[0])
+            model_name = await asyncio.to_thread(served_model_name, self.replicas[0])
             k = self.cfg.rollout.max_off_policy_steps
             async with aiohttp.ClientSession() as session:
                 last = self.cfg.train.steps
@@ -297,9 +297,3 @@ class Orchestrator:
 def _step_of(name: str) -> int:
     """The step number in `step-12`, `step_000012.pt`, `v000012`, `metrics_000012.json`."""
     return int("".join(ch for ch in name.split(".")[0] if ch.isdigit()) or 0)
-
-
-def _served_name(replica: Replica) -> str:
-    from .replicas import served_model_name
-
-    return served_model_name(replica)

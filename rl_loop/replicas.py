@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 PLUGIN = "moerl_routing"
@@ -34,7 +34,6 @@ class Replica:
     updating: bool = False
     policy_version: int = 0
     in_flight: int = 0
-    stats: dict = field(default_factory=lambda: {"requests": 0, "failures": 0})
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log_path.read_text()[-n:] if self.log_path and self.log_path.exists() else ""

@@ -32,7 +32,7 @@ class GroupFailed(RuntimeError):
     """No replica could generate the group."""
 
 
-def parse_choice(choice: dict, prompt_len: int) -> Completion:
+def parse_choice(choice: dict) -> Completion:
     lp = choice.get("logprobs") or {}
     tokens = lp.get("tokens") or []
     ids = [int(t.split(":", 1)[1]) for t in tokens]
@@ -60,8 +60,7 @@ async def request_group(session: aiohttp.ClientSession, replica: Replica, model:
             data = await resp.json()
     finally:
         replica.in_flight -= 1
-    replica.stats["requests"] += 1
-    return [parse_choice(c, len(prompt_ids)) for c in sorted(data["choices"], key=lambda c: c["index"])]
+    return [parse_choice(c) for c in sorted(data["choices"], key=lambda c: c["index"])]
 
 
 async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica], pick, model: str,
@@ -77,7 +76,6 @@ async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica]
             return await request_group(session, replica, model, prompt_ids, **kw), replica
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             # Unreachable or dead: take it out of rotation (an HTTP error answer propagates instead).
-            replica.stats["failures"] += 1
             replica.up = False
             tried.add(replica.name)
             counters["resent_groups"] = counters.get("resent_groups", 0) + 1

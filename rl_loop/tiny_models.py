@@ -15,36 +15,9 @@ from pathlib import Path
 
 import torch
 
-VOCAB_SIZE = 512
+from titan_ext.tiny_assets import VOCAB_SIZE, train_tokenizer
+
 ARCHS = ("qwen3_moe", "kimi_k2", "glm5")
-
-
-def _corpus() -> list[str]:
-    words = "the a of to and in is it you that he was for on are with as his they be at one have this from".split()
-    lines = []
-    for i in range(2000):
-        a, b = (i * 7919) % 1000, (i * 104729) % 1000
-        lines.append(f"{a} + {b} = {a + b}. {words[i % len(words)]} {words[(i * 3) % len(words)]} answer: {a * b % 97}")
-    return lines
-
-
-def train_tokenizer(out_dir: Path) -> None:
-    """Byte-level BPE with VOCAB_SIZE entries, saved as an HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
-    fast.save_pretrained(out_dir)
 
 
 def hf_config(arch: str, dtype: str):

@@ -20,22 +20,21 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.trainer import Trainer
 
 from .models import model_spec
+from .tiny_assets import corpus, train_tokenizer
 
 _ASSETS = Path(__file__).resolve().parent.parent / ".cache" / "titan_assets"
 
 
 def local_assets(model: str) -> Path:
     """Tokenizer + a small local text corpus for `model`'s tiny flavor (made once; nothing is downloaded)."""
-    from rl_loop.tiny_models import _corpus, train_tokenizer
-
     out = _ASSETS / model
-    corpus = out / "corpus"
+    corpus_dir = out / "corpus"
     if not (out / "tokenizer.json").exists():
         out.mkdir(parents=True, exist_ok=True)
         train_tokenizer(out)
-    if not (corpus / "train.jsonl").exists():
-        corpus.mkdir(parents=True, exist_ok=True)
-        (corpus / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _corpus()))
+    if not (corpus_dir / "train.jsonl").exists():
+        corpus_dir.mkdir(parents=True, exist_ok=True)
+        (corpus_dir / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus()))
     return out
 
 
