@@ -26,6 +26,7 @@ class Patch:
 PATCH_MODULES = (
     # First: torchtitan cannot even be imported on torch 2.11 without it.
     "patches.torch_fsdp_data_parallel_mesh_dims",
+    "patches.torch_compiler_is_non_strict_tracing",
     "patches.torch_distributed_set_timeout",
     "patches.torchtitan_cpu_device",
     "patches.fsdp_gloo_sum_reduction",

@@ -162,3 +162,24 @@ def test_vllm_cpu_moe_reload_still_skips_prepack():
         assert p.PATCH.needed()
     p.PATCH.apply()
     assert not p.PATCH.needed()
+
+
+def test_torchtitan_ep_dispatcher_still_asks_is_non_strict_tracing(monkeypatch):
+    """torchtitan 0.3.0's all-to-all dispatcher calls the name torch 2.11 lacks; the
+    stand-in (applied only where torch lacks it) answers what torch answers outside
+    non-strict tracing."""
+    import inspect
+
+    import torch.compiler
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from patches import torch_compiler_is_non_strict_tracing as patch_mod
+
+    assert "_is_non_strict_tracing" in inspect.getsource(AllToAllTokenDispatcher)
+    assert patch_mod.PATCH.needed() == (not hasattr(torch.compiler, "_is_non_strict_tracing"))
+    if hasattr(torch.compiler, "_is_non_strict_tracing"):
+        assert torch.compiler._is_non_strict_tracing() is False  # what the stand-in answers
+        monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing")
+    assert patch_mod.PATCH.needed()
+    patch_mod.PATCH.apply()
+    assert not patch_mod.PATCH.needed() and torch.compiler._is_non_strict_tracing() is False
