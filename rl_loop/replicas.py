@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import placement
+
 PLUGIN = "moerl_routing"
 
 
@@ -59,14 +61,17 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: in
 
 def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str, max_num_seqs: int = 64,
                   kv_cache_gib: float = 1.0, enforce_eager: bool = True, extra: list[str] | None = None,
-                  env: dict | None = None) -> Replica:
+                  env: dict | None = None, cpus: tuple[int, ...] | None = None) -> Replica:
+    """Start one server; with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1",
+                **(placement.replica_env(cpus) if cpus else {}), **(env or {})}
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(server_command(model, port, dtype=dtype, max_num_seqs=max_num_seqs,
                                                kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra),
-                                stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+                                stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                preexec_fn=placement.pin(cpus) if cpus else None)
     return Replica(name=name, base_url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
 
 
