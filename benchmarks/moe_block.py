@@ -38,12 +38,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import titan_ext  # noqa: E402,F401  (applies patches/ before torchtitan is imported)
-from torchtitan.config import derive  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # noqa: E402
 
 from titan_ext.models import get_arch  # noqa: E402
 from titan_ext.models.builder import build_model_config  # noqa: E402
-from titan_ext.models.experts import LeanTokenDispatcher  # noqa: E402
 from titan_ext.replay import replay_routing  # noqa: E402
 
 LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}  # 384 / 8 and 256 / 8
@@ -74,9 +73,11 @@ def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = F
     arch = dataclasses.replace(get_arch(model, "full"), num_experts=LOCAL_EXPERTS[model], n_layers=2, n_dense_layers=1)
     cfg = build_model_config(arch)
     moe_cfg = next(layer for layer in cfg.layers if layer.moe is not None).moe
-    if not stock_dispatcher:
-        d = moe_cfg.routed_experts.token_dispatcher
-        moe_cfg.routed_experts.token_dispatcher = derive(d, LeanTokenDispatcher.Config, pad_multiple=pad_multiple)
+    d = moe_cfg.routed_experts.token_dispatcher  # titan_ext's builder: LeanTokenDispatcher
+    if stock_dispatcher:
+        moe_cfg.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=d.num_experts, top_k=d.top_k)
+    else:
+        d.pad_multiple = pad_multiple
     with torch.device(dev):
         moe = moe_cfg.build()
     torch.manual_seed(0)

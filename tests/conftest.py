@@ -29,7 +29,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node nproc args...` and return the completed process (output captured)."""
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), *args]
+    # --standalone: a free rendezvous port, so concurrent runs (two test sessions, a moerl run) never collide on 29500
+    cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 

@@ -5,6 +5,8 @@ aux-loss-free bias, token dispatchers, parallelize function) and change only wha
 differs:
 - experts that compute in their input dtype (`experts.NativeDtypeGroupedExperts`),
   so an fp32 model matches transformers to rounding;
+- the lean local token permutation (`experts.LeanTokenDispatcher`: gathers with
+  gather duals instead of sorting scatters; TorchTitan's all-to-all under EP);
 - maskless causal SDPA as the default inner attention, because FlexAttention has no
   CPU backward;
 - the DSA attention for models with a lightning indexer (`dsa.DSAAttention`);
@@ -28,7 +30,7 @@ from torchtitan.models.common.param_init import depth_scaled_std
 from .arch import MLAMoEArch
 from .glm5.dsa import DSAAttention, LightningIndexer
 from ..replay import replay_router
-from .experts import NativeDtypeGroupedExperts
+from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts
 
 AttnBackend = Literal["sdpa", "flex"]
 
@@ -109,6 +111,7 @@ def build_model_config(
             layer.moe.router = replay_router(layer.moe.router)
             experts = layer.moe.routed_experts
             experts.inner_experts = derive(experts.inner_experts, NativeDtypeGroupedExperts.Config)
+            experts.token_dispatcher = derive(experts.token_dispatcher, LeanTokenDispatcher.Config)
     return DeepSeekV3Model.Config(
         vocab_size=arch.vocab_size,
         dim=arch.dim,
