@@ -6,11 +6,15 @@ flavor (Kimi-K2, GLM-5) or a small Qwen3-MoE, weights from transformers' own
 initialiser with a fixed seed, and a byte-level BPE tokenizer trained on a
 built-in corpus. `init_scale` rescales the weights: at the default 0.02 routing is
 near uniform and expert choices barely matter; 0.1-0.3 makes them matter.
+`init_scales` overrides the std for tensors whose name contains a key (for
+example a gentler attention, or a non-zero `e_score_correction_bias`, which is
+otherwise left at zero).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -39,9 +43,19 @@ def hf_config(arch: str, dtype: str):
 
 
 def make_tiny_checkpoint(
-    arch: str, out_dir: str | Path, *, dtype: str = "float32", init_scale: float = 0.02, seed: int = 0
+    arch: str,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    init_scale: float = 0.02,
+    seed: int = 0,
+    init_scales: Mapping[str, float] | None = None,
 ) -> Path:
-    """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments)."""
+    """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments).
+
+    Every weight matrix is drawn from N(0, init_scale); a tensor whose name
+    contains a key of `init_scales` (parameters and buffers, any rank) is drawn
+    from N(0, that value) instead (the first matching key wins)."""
     import transformers
 
     if arch not in ARCHS:
@@ -49,6 +63,8 @@ def make_tiny_checkpoint(
     out = Path(out_dir)
     stamp = out / "moerl_tiny.json"
     meta = {"arch": arch, "dtype": dtype, "init_scale": init_scale, "seed": seed}
+    if init_scales:
+        meta["init_scales"] = dict(init_scales)
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -56,11 +72,15 @@ def make_tiny_checkpoint(
     config.initializer_range = init_scale
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    overrides = dict(init_scales or {})
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            std = next((v for k, v in overrides.items() if k in name), None)
+            if std is not None:
+                p.normal_(0.0, std)
+            elif name.endswith("e_score_correction_bias") or p.dim() < 2 or not p.is_floating_point():
                 continue
-            if p.dim() >= 2:
+            elif isinstance(p, torch.nn.Parameter):
                 p.normal_(0.0, init_scale)
     model.to(getattr(torch, dtype)).save_pretrained(out)
     train_tokenizer(out)
