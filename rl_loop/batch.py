@@ -26,6 +26,10 @@ class Sample:
     policy_version: int = 0
     routing: np.ndarray | None = None  # [len(prompt) + len(completion) - 1, moe layers, top_k]
     advantage: float = 0.0
+    # Multi-turn: 1 for tokens the model sampled, 0 for the environment's tokens between turns
+    # (in the sequence and its routing, not in the loss; their logprobs are placeholders). None: all 1.
+    completion_mask: list[int] | None = None
+    error: str | None = None  # set by the task when the rollout failed (e.g. an environment error): rejected
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class ModelShape:
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [B, S] int64, right padded
-    mask: torch.Tensor  # [B, S-1] bool: targets that are completion tokens
+    mask: torch.Tensor  # [B, S-1] bool: targets that are sampled completion tokens (holes at environment tokens)
     logp_infer: torch.Tensor  # [B, S-1] float32
     advantages: torch.Tensor  # [B, 1] float32
     replay_ids: torch.Tensor | None  # [B, S-1, L, K] int64
@@ -83,10 +87,16 @@ def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[
     kept: list[Sample] = []
     for i, s in enumerate(samples):
         reason = None
-        if len(s.logprobs) != len(s.completion_ids):
+        if s.error:
+            reason = f"rollout failed: {s.error}"
+        elif len(s.logprobs) != len(s.completion_ids):
             reason = f"{len(s.logprobs)} logprobs for {len(s.completion_ids)} completion tokens"
         elif not s.completion_ids:
             reason = "empty completion"
+        elif s.completion_mask is not None and len(s.completion_mask) != len(s.completion_ids):
+            reason = f"completion mask of {len(s.completion_mask)} for {len(s.completion_ids)} completion tokens"
+        elif s.completion_mask is not None and not any(s.completion_mask):
+            reason = "no sampled token in the completion (mask all 0)"
         elif shape is not None:
             reason = routing_error(s, shape)
         if reason:
@@ -107,7 +117,10 @@ def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[
     for j, s in enumerate(kept):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         tokens[j, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-        mask[j, p - 1 : p + c - 1] = True
+        if s.completion_mask is None:
+            mask[j, p - 1 : p + c - 1] = True
+        else:
+            mask[j, p - 1 : p + c - 1] = torch.tensor(s.completion_mask, dtype=torch.bool)
         logp[j, p - 1 : p + c - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
         if replay is not None:
             replay[j, : p + c - 1] = torch.from_numpy(np.ascontiguousarray(s.routing).astype(np.int64))

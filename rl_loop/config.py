@@ -42,10 +42,24 @@ class InferenceConfig:
 
 @dataclass
 class RolloutConfig:
-    task: str = knob("charclass", "built-in task name, or verifiers:<environment id>")
+    task: str = knob(
+        "charclass",
+        "built-in task (charclass; charclass_turns: multi-turn), or verifiers:<environment id> (a verifiers "
+        "environment, loaded with verifiers.load_environment; needs moerl[verifiers])",
+    )
+    task_args: dict = field(
+        default_factory=dict,
+        metadata={"help": "keyword arguments of the task: the built-in's options (charclass_turns: turns) or the "
+                          "verifiers environment's load_environment arguments; e.g. {turns = 2}"},
+    )
+    chat_format: str = knob(
+        "auto",
+        "verifiers environments: how chat messages become tokens; 'plain' (role: text lines), 'template' (the "
+        "tokenizer's chat template), 'auto' (template when the tokenizer has one)",
+    )
     prompts_per_step: int = knob(8, "GRPO groups per step")
     samples_per_prompt: int = knob(8, "completions per prompt (group size)")
-    max_tokens: int = knob(8, "completion length")
+    max_tokens: int = knob(8, "completion length (per model turn in multi-turn tasks)")
     temperature: float = knob(1.0, "sampling temperature")
     max_off_policy_steps: int = knob(
         1,
@@ -101,6 +115,8 @@ def _build(cls, data: dict[str, Any], where: str):
             kwargs[name] = _build(_SECTIONS[cls][name], value, f"{where}.{name}".strip("."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if isinstance(default, dict) and not isinstance(value, dict):
+                raise ValueError(f"{where}.{name} must be a table, got {value!r}")
             if isinstance(default, bool) and not isinstance(value, bool):
                 raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
             if isinstance(default, (int, float)) and not isinstance(default, bool):

@@ -37,8 +37,8 @@ from .config import RLConfig
 from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .router import embedded_pick
-from .rollouts import generate_group
-from .tasks import get_task
+from .rollouts import RolloutContext, generate_group
+from .tasks import get_task, group_samples, is_episodic
 from vllm_ext.weights.wire import COMMIT_MARKER
 
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
@@ -66,7 +66,7 @@ class Orchestrator:
         self.cfg = config
         self.resume = resume
         self.run_dir = Path(config.run_dir).resolve()
-        self.task = get_task(config.rollout.task)
+        self.task = get_task(config.rollout.task, config.rollout.task_args, chat_format=config.rollout.chat_format)
         self.rng = random.Random(config.seed)
         self.replicas: list[Replica] = []
         self.trainer_proc: subprocess.Popen | None = None
@@ -138,6 +138,15 @@ class Orchestrator:
         prompts = self.task.prompts(self.rng, c.prompts_per_step)
         counters = {"resent_groups": 0}
         t0 = time.perf_counter()
+        if is_episodic(self.task):  # multi-turn tasks and verifiers environments play (and score) whole groups
+            ctx = RolloutContext(session, self.replicas, embedded_pick, model_name, tokenizer, c.max_tokens,
+                                 c.temperature, self.cfg.inference.request_timeout_s, counters)
+            seeds = [self.cfg.seed * 100003 + step * 1009 + i for i in range(len(prompts))]
+            groups = await asyncio.gather(*(self.task.run_group(ctx, p, c.samples_per_prompt, f"{step}-{i}", seeds[i])
+                                            for i, p in enumerate(prompts)))
+            score_s = counters.pop("score_s", 0.0)
+            samples = [s for g, episodes in enumerate(groups) for s in group_samples(episodes, g)]
+            return Rollouts(samples, time.perf_counter() - t0 - score_s, score_s, counters)
 
         async def one(i, prompt):
             ids = tokenizer(prompt.text).input_ids
