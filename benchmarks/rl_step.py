@@ -3,7 +3,9 @@
 Runs the same config twice, `max_off_policy_steps=1` (rollouts of step n+1 overlap
 training of step n) and `=0` (synchronous), and reports the mean step time (first
 step excluded: it includes warm-up) and the fraction of wall time the trainer
-waits for rollouts. Writes benchmarks/results/rl_step.json.
+waits for rollouts. Both runs use the config's core placement (`train.cpus`,
+`inference.cpus`; default: trainer and replicas on disjoint halves of the
+machine), recorded in the result. Writes benchmarks/results/rl_step.json.
 
 usage: .venv/bin/python benchmarks/rl_step.py [--steps 12]
 """
@@ -15,6 +17,9 @@ import json
 from pathlib import Path
 
 from _rl_runs import ROOT, machine, run_rl
+
+from rl_loop.config import RLConfig
+from rl_loop.placement import format_cpus, plan
 
 COMPONENTS = ("gen_s", "score_s", "train_s", "sync_s", "wait_s")
 
@@ -37,6 +42,10 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny_kimi_k2.toml")
     args = ap.parse_args()
     out = {"command": f"benchmarks/rl_step.py --steps {args.steps} --config {args.config}", "machine": machine()}
+    cfg = RLConfig.from_toml(ROOT / args.config)
+    cores = plan(cfg.train.cpus, cfg.inference.cpus, cfg.inference.replicas)
+    out["placement"] = None if cores is None else {
+        "trainer": format_cpus(cores.trainer), "replicas": [format_cpus(c) for c in cores.replicas]}
     for name, k in (("async", 1), ("sync", 0)):
         records = run_rl(args.config, ROOT / "outputs" / f"bench_rl_step_{name}",
                          {"train.steps": args.steps, "rollout.max_off_policy_steps": k})

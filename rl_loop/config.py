@@ -38,6 +38,11 @@ class InferenceConfig:
     kv_cache_gib: float = knob(1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM")
     enforce_eager: bool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up: faster start)")
     request_timeout_s: float = knob(120.0, "per-request timeout; a replica that times out is marked down")
+    cpus: str = knob(
+        "auto",
+        "CPU cores of the managed replicas, e.g. '2-3' (split between replicas when there are enough); "
+        "'auto': the cores the trainer does not get; '': no pinning",
+    )
 
 
 @dataclass
@@ -77,6 +82,11 @@ class TrainConfig:
     normalize_std: bool = knob(False, "divide group advantages by the group's reward std")
     checkpoint_interval: int = knob(5, "TorchTitan checkpoint every K steps (for --resume)")
     nproc: int = knob(1, "trainer processes (torchrun --nproc_per_node)")
+    cpus: str = knob(
+        "auto",
+        "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "
+        "replicas are auto too (trainer and inference on disjoint cores, so async steps overlap); '': no pinning",
+    )
 
 
 @dataclass

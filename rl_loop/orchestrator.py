@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ import torch
 from .advantages import group_advantages
 from .batch import ModelShape, Sample, pack
 from .config import RLConfig
+from .placement import format_cpus, pin, plan, trainer_env
 from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .router import embedded_pick
@@ -72,6 +75,8 @@ class Orchestrator:
         self.trainer_proc: subprocess.Popen | None = None
         self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
         self.weight_sync = weight_sync
+        managed = config.inference.replicas
+        self.placement = plan(config.train.cpus, config.inference.cpus if managed else "", managed)
 
     # ------------------------------------------------------------------ set-up
 
@@ -105,10 +110,13 @@ class Orchestrator:
                     checkpoint_interval=c.train.checkpoint_interval,
                     wire_dtype=self.cfg.model.inference_dtype).save(self.run_dir)
         log_file = open(self.run_dir / "trainer.log", "a")
+        cores = self.placement.trainer if self.placement else None
         self.trainer_proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(c.train.nproc),
              "-m", "rl_loop.trainer", str(self.run_dir)],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **trainer_env(cores, c.train.nproc)} if cores else None,
+            preexec_fn=pin(cores) if cores else None,
         )
 
     def start_replicas(self, version: int, init: Path) -> None:
@@ -121,7 +129,8 @@ class Orchestrator:
         self.replicas = [
             start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
                           dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
-                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager)
+                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager,
+                          cpus=self.placement.replicas[i] if self.placement else None)
             for i in range(c.replicas)
         ]
         wait_healthy(self.replicas)
@@ -238,9 +247,14 @@ class Orchestrator:
         arch = read_arch(init, self.cfg.model.arch)
         shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
         reporter = Reporter(self.run_dir, resume_step=start)
+        if self.placement:
+            log(f"cores: trainer {format_cpus(self.placement.trainer)}, replicas "
+                + " | ".join(format_cpus(c) for c in self.placement.replicas))
         self.start_trainer(init)
         try:
             self.start_replicas(start, init)
+            if self.placement:  # HTTP, scoring and batching run beside the replicas, off the trainer's cores
+                os.sched_setaffinity(0, {c for cores in self.placement.replicas for c in cores})
             model_name = await asyncio.to_thread(served_model_name, self.replicas[0])
             k = self.cfg.rollout.max_off_policy_steps
             async with aiohttp.ClientSession() as session:
@@ -291,9 +305,6 @@ class Orchestrator:
             for r in self.replicas:
                 stop_replica(r)
             if self.trainer_proc is not None and self.trainer_proc.poll() is None:
-                import os
-                import signal
-
                 os.killpg(self.trainer_proc.pid, signal.SIGTERM)
                 self.trainer_proc.wait(60)
         png = reporter.close()

@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg.hf_assets_path = spec.init_checkpoint
     cfg.dump_folder = str(run_dir / "trainer")
     cfg.training.steps = spec.steps
+    # TorchTitan sizes the RoPE cache by training.seq_len; RL sequences (multi-turn ones
+    # especially) may be as long as the model allows, not the supervised default of 64.
+    cfg.training.seq_len = arch.max_seq_len
     cfg.optimizer = default_adamw(lr=spec.lr, weight_decay=0.0)
     cfg.lr_scheduler.warmup_steps = 0
     cfg.lr_scheduler.decay_ratio = None
