@@ -42,8 +42,13 @@ class ReplayRouter(TokenChoiceTopKRouter):
     def __init__(self, config: Config):
         super().__init__(config)
         self.replay_ids_BLK: torch.Tensor | None = None
-        # Fraction of tokens whose own top-k set differs from the replayed one (last replayed forward).
-        self.disagreement: float | None = None
+        # Kept on the device: reading it in forward would stall the GPU once per layer.
+        self._disagreement: torch.Tensor | None = None
+
+    @property
+    def disagreement(self) -> float | None:
+        """Fraction of tokens whose own top-k set differed from the replayed one (last replayed forward)."""
+        return None if self._disagreement is None else float(self._disagreement)
 
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         own_scores_BLK, own_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
@@ -58,7 +63,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         ids_BLK = ids_BLK.to(device=own_ids_BLK.device, dtype=own_ids_BLK.dtype).contiguous()
         with torch.no_grad():
             differs = (own_ids_BLK.sort(dim=-1).values != ids_BLK.sort(dim=-1).values).any(dim=-1)
-            self.disagreement = differs.float().mean().item()
+            self._disagreement = differs.float().mean()
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -92,10 +97,10 @@ def check_replay_ids(ids: torch.Tensor, *, tokens_shape: tuple[int, int], num_mo
             f"expert ids have shape {tuple(ids.shape)}, expected {want} "
             "(batch, seq, moe layers, top_k): the record does not belong to these tokens or this model"
         )
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise ReplayRecordError(
-            f"expert ids must lie in [0, {num_experts}); got min {int(ids.min())}, max {int(ids.max())}"
-        )
+    if ids.numel():
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync per batch, not two
+        if lo < 0 or hi >= num_experts:
+            raise ReplayRecordError(f"expert ids must lie in [0, {num_experts}); got min {lo}, max {hi}")
 
 
 @contextmanager
