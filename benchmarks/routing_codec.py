@@ -199,11 +199,19 @@ def serving_overhead(quick: bool) -> dict:
     # from anything else on the machine hits both sides alike.
     from vllm_ext.routing.record import decode_record_b64
 
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 9
     rates = {"on": [], "off": []}
-    small = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # two servers side by side must fit in memory
+    # Both servers on one core, this client on the others: the client's HTTP and decoding never
+    # compete with the server being measured (vLLM's automatic binding would put both servers'
+    # threads on core 0, where the client also runs).
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, client_cores = cores[-1:], (cores[:-1] or cores)
+    small = {"VLLM_CPU_KVCACHE_SPACE": "1",  # two servers side by side must fit in memory
+             "VLLM_CPU_OMP_THREADS_BIND": str(server_core[0])}
+    os.sched_setaffinity(0, server_core)  # inherited by the servers started now
     with T.vllm_server(ckpt, "float32", tmp, extra, {"MOERL_ROUTING": "1", **small}) as (base_on, _), \
             T.vllm_server(ckpt, "float32", tmp, extra, {"MOERL_ROUTING": "0", **small}) as (base_off, _):
+        os.sched_setaffinity(0, client_cores)
         bases = {"on": base_on, "off": base_off}
         for mode in ("on", "off"):
             run(bases[mode])  # warm-up
@@ -218,6 +226,7 @@ def serving_overhead(quick: bool) -> dict:
                     captured = np.concatenate([decode_record_b64(x).expert_ids for x in recs])
                 else:
                     assert all(c.get("routed_experts") is None for _, c, _ in res)
+    os.sched_setaffinity(0, cores)
     paired = [1 - a / b for a, b in zip(rates["on"], rates["off"])]
     cpu_overhead = float(np.median(cpu["on"]) / np.median(cpu["off"]) - 1)
     return {
@@ -227,7 +236,8 @@ def serving_overhead(quick: bool) -> dict:
         "cpu_overhead": round(cpu_overhead, 4),
         "wall_overhead_median": round(float(np.median(paired)), 4),
         "workload": f"{len(prompts)} completions, prompts 96-160 tokens, 64 generated, 8 concurrent; "
-                    f"two servers (capture on / MOERL_ROUTING=0) up together, {rounds} alternating rounds",
+                    f"two servers (capture on / MOERL_ROUTING=0) up together on core {server_core[0]}, "
+                    f"client on cores {client_cores}, {rounds} alternating rounds",
         "tokens_per_s_on": [round(x, 2) for x in rates["on"]],
         "tokens_per_s_off": [round(x, 2) for x in rates["off"]],
         "paired_overhead": [round(x, 4) for x in paired],
