@@ -3,12 +3,14 @@
 Per architecture (tiny Qwen3-MoE fp32, tiny Kimi-K2 bf16, both at init 0.2 so
 routing matters): a fresh server on v2 gives the reference greedy tokens and
 logprobs; a server started on v1 with the ``moerl`` backend then goes through
-faults (corrupted fs shard, shape mismatch over the stream, sender killed mid
-stream: each must leave v1 serving with identical outputs and a clear error),
-an fs update to v2 (must equal the v2 reference exactly), a streamed update
-back to v1 (must equal the server's own v1 outputs) and a streamed update to v2
-again (reference again). The policy version must show in every response and on
-/metrics throughout.
+faults (corrupted fs shard, shape mismatch over the stream, a piece corrupted
+in the shared-memory ring, sender killed mid stream on the shared-memory and on
+the network lane: each must leave v1 serving with identical outputs and a clear
+error, and leave no ring behind in /dev/shm), an fs update to v2 (must equal
+the v2 reference exactly), a streamed update back to v1 over the network lane
+(must equal the server's own v1 outputs) and a streamed update to v2 again over
+the shared-memory lane (reference again). The policy version must show in every
+response and on /metrics throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_stream
-from vllm_ext.weights.wire import COMMIT_MARKER, StreamSender, TensorMeta, write_fs
+from vllm_ext.weights.shm import SHM_DIR, RingWriter
+from vllm_ext.weights.wire import COMMIT_MARKER, TensorMeta, write_fs
 
 pytestmark = pytest.mark.slow
 
@@ -134,13 +137,15 @@ def metas_of(items):
 
 
 SENDER_KILLED = r'''
-import sys, time, torch
+import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from safetensors.torch import load_file
+from vllm_ext.weights.shm import RingShape
 from vllm_ext.weights.wire import StreamSender, TensorMeta
 items = sorted(load_file(sys.argv[2]).items())
-s = StreamSender(2, port=int(sys.argv[3]), timeout_s=30, bucket_bytes=1 << 16, streams=1)
-print("listening", flush=True)
+s = StreamSender(2, port=int(sys.argv[3]), timeout_s=30, bucket_bytes=1 << 16, streams=1,
+                 shm=RingShape(2, 1 << 16) if sys.argv[4] == "shm" else None)
+print(json.dumps(s.update_info(1, 7)), flush=True)
 def gen():
     for i, (k, v) in enumerate(items):
         if i == len(items) // 2:
@@ -151,24 +156,26 @@ s.send([TensorMeta.of(k, v) for k, v in items], gen(), 7)
 '''
 
 
-def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path) -> str:
+def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path, lane: str) -> str:
+    """Kill a sender process halfway through an update; the error the replica reported.
+    On the shm lane the replica must also remove the ring its dead sender left."""
     rep = Replica(base)
     port = _port()
     script = tmp / "sender_killed.py"
     script.write_text(SENDER_KILLED)
-    proc = subprocess.Popen([PY, str(script), str(ROOT), str(ckpt / "model.safetensors"), str(port)],
+    proc = subprocess.Popen([PY, str(script), str(ROOT), str(ckpt / "model.safetensors"), str(port), lane],
                             stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "listening"
+        info = json.loads(proc.stdout.readline())
+        ring = SHM_DIR / info["shm"]["name"] if info["shm"] else None
+        assert (ring is not None) == (lane == "shm") and (ring is None or ring.exists())
         rep.post("/pause?mode=keep")
         rep.post("/start_weight_update")
         err: list[str] = []
 
         def update():
             try:
-                rep.post("/update_weights", {"update_info": {
-                    "transport": "stream", "version": 7, "addr": "127.0.0.1", "port": port, "rank": 1,
-                    "world_size": 2, "timeout_s": 30, "streams": 1, "session": "7-0"}})
+                rep.post("/update_weights", {"update_info": info})
             except WeightSyncError as exc:
                 err.append(str(exc))
 
@@ -181,6 +188,7 @@ def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path) -> str:
         assert not t.is_alive()
         rep.post("/resume")
         assert err, "update must fail when the sender dies"
+        assert ring is None or not ring.exists(), f"{ring} left behind"
         return err[0]
     finally:
         if proc.poll() is None:
@@ -189,7 +197,7 @@ def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path) -> str:
 
 
 @pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("kimi_k2", "bfloat16")])
-def test_update_equals_fresh_server(arch, dtype, tmp_path):
+def test_update_equals_fresh_server(arch, dtype, tmp_path, monkeypatch):
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     v1 = make_tiny_checkpoint(arch, tmp_path / "v1", dtype=dtype, init_scale=0.2, seed=1)
@@ -235,13 +243,29 @@ def test_update_equals_fresh_server(arch, dtype, tmp_path):
         outs = generate(base, v1)
         assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
 
-        # -- fault 3: the sender killed mid-transfer
-        msg = kill_sender_mid_transfer(base, v2, tmp_path)
-        assert "stream" in msg
+        # -- fault 3: a piece corrupted in the shared-memory ring after the sender hashed it
+        publish = RingWriter._publish
+
+        def corrupt_first_piece(self, n, digest):
+            if self.seq == 0:
+                self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
+            publish(self, n, digest)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(RingWriter, "_publish", corrupt_first_piece)
+            with pytest.raises(WeightSyncError, match="checksum mismatch in piece 0"):
+                push_stream([rep], metas_of(items_v2), iter(items_v2), 2, timeout_s=60)
         outs = generate(base, v1)
         assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
+
+        # -- fault 4: the sender killed mid-transfer, on either lane
+        for lane in ("shm", "net"):
+            msg = kill_sender_mid_transfer(base, v2, tmp_path, lane)
+            assert "stream" in msg
+            outs = generate(base, v1)
+            assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
         m = metrics(base)
-        assert m["moerl:weight_update_failures"] >= 3 and m["moerl:weight_update_in_progress"] == 0
+        assert m["moerl:weight_update_failures"] >= 5 and m["moerl:weight_update_in_progress"] == 0
         assert m["moerl:policy_version"] == 1
 
         # -- fs update v1 -> v2: identical to the fresh v2 server
@@ -254,11 +278,13 @@ def test_update_equals_fresh_server(arch, dtype, tmp_path):
         assert versions(outs) == {2} and rep.version() == "2"
         assert metrics(base)["moerl:policy_version"] == 2
 
-        # -- stream back to v1, then to v2 again
-        push_stream([rep], metas_of(items_v1), iter(items_v1), 3)
+        # -- stream back to v1 over the network lane, then to v2 again over shared memory
+        res = push_stream([rep], metas_of(items_v1), iter(items_v1), 3, shm=False)
+        assert res.per_replica[base]["lane"] == "net"
         outs = generate(base, v1)
         assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {3}
-        push_stream([rep], metas_of(items_v2), iter(items_v2), 4)
+        res = push_stream([rep], metas_of(items_v2), iter(items_v2), 4)
+        assert res.per_replica[base]["lane"] == "shm"
         outs = generate(base, v1)
         assert tokens_and_logprobs(outs) == ref_v2 and versions(outs) == {4}
         m = metrics(base)

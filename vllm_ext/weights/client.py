@@ -139,20 +139,26 @@ def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:
 
 def push_stream(replicas: Sequence[Replica | str], metas, tensors: Iterable, version: int, *,
                 addr: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
-                bucket_bytes: int = 64 << 20, streams: int = 2, sender=None) -> SyncResult:
-    """Stream one update to every replica at once (one gloo group: this process + the replicas).
+                bucket_bytes: int = 64 << 20, streams: int = 2, shm: bool = True, sender=None) -> SyncResult:
+    """Stream one update to every replica at once (this process is rank 0, the replicas 1..n).
 
     ``metas``: ``wire.TensorMeta`` for every tensor, in order; ``tensors``: the
     tensors (or (name, tensor) pairs) in the same order, produced lazily (e.g.
-    ``titan_ext.weights.iter_hf_weights``)."""
+    ``titan_ext.weights.iter_hf_weights``). Replicas on this host read a
+    shared-memory ring, the others get gloo broadcasts; ``shm=False`` forces the
+    network path for all. ``per_replica[url]["lane"]`` says which each took.
+    A ``sender`` (``wire.StreamSender``) kept across updates keeps its gloo
+    groups and ring: only the first update pays for building them."""
+    from .shm import RingShape
     from .wire import StreamSender
 
     reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
     s = sender or StreamSender(1 + len(reps), addr=addr, port=port, timeout_s=timeout_s,
-                               bucket_bytes=bucket_bytes, streams=streams)
+                               bucket_bytes=bucket_bytes, streams=streams, shm=RingShape() if shm else None)
     try:
         res = _run_protocol(reps, version, "stream", lambda i, r: s.update_info(i + 1, version),
                             during=lambda: s.send(list(metas), tensors, version))
+        res.per_replica = {r.base: {"lane": s.lanes.get(i + 1)} for i, r in enumerate(reps)}
     finally:
         if sender is None:
             s.close()

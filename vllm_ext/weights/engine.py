@@ -5,7 +5,8 @@ Registered with ``WeightTransferEngineFactory`` by the plugin; select it with
 call carries one complete update::
 
     {"transport": "fs", "path": DIR, "version": N}
-    {"transport": "stream", "version": N, "addr": ..., "port": ..., "rank": R, "world_size": W, ...}
+    {"transport": "stream", "version": N, "addr": ..., "port": ..., "rank": R, "world_size": W,
+     "session": ..., "sender": ..., "shm": {...} or None}   # StreamSender.update_info(R, N)
 
 The call receives everything into staging memory, checks it against the served
 model's checkpoint layout (every name present, no extra, shapes equal), and
@@ -33,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .wire import StagingCache, TensorMeta, WeightUpdateError, dtype_name, read_fs, stream_receive
+from .wire import StreamReceiver, TensorMeta, WeightUpdateError, dtype_name, read_fs
 
 logger = logging.getLogger("vllm_ext.weights")
 
@@ -55,9 +56,9 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
     rank: int = 1
     world_size: int = 2
     timeout_s: float = 120.0
-    bucket_bytes: int | None = None
-    streams: int = 1
     session: str | None = None
+    sender: str | None = None
+    shm: dict | None = None  # the sender's shared-memory ring offer (shm.py)
     rollback: bool = True
 
 
@@ -103,7 +104,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         if self.expected is None:
             logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",
                            self.model_config.model)
-        self.staging = StagingCache()
+        self.receiver = StreamReceiver()  # buffers, gloo groups and ring kept between updates
         self.last: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------
@@ -124,7 +125,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         self.receive_weights(info)
 
     def shutdown(self) -> None:
-        self.staging.clear()
+        self.receiver.close()
 
     # -- the update ----------------------------------------------------------
 
@@ -139,10 +140,10 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                 raise WeightUpdateError("stream transport: only one worker per replica (TP=PP=1) is supported")
             if not info.addr or not info.port:
                 raise WeightUpdateError("stream update needs 'addr' and 'port'")
-            version, items = stream_receive(
+            version, items = self.receiver.receive(
                 addr=info.addr, port=info.port, rank=info.rank, world_size=info.world_size,
-                timeout_s=info.timeout_s, streams=info.streams, session=info.session, version=info.version,
-                expected=self.expected, staging=self.staging,
+                timeout_s=info.timeout_s, session=info.session, sender=info.sender, shm=info.shm,
+                version=info.version, expected=self.expected,
             )
         else:
             raise WeightUpdateError(f"unknown transport {info.transport!r} (use 'fs' or 'stream')")
