@@ -4,7 +4,10 @@ Pieces (capture -> ship -> apply, by file):
 
 * ``wire.py``: both transports, both ends, no vLLM import: filesystem
   (safetensors shards + ``moerl_commit.json`` with checksums, written last) and
-  streaming over torch.distributed (gloo here; a process group per update);
+  streaming over torch.distributed (gloo here), whose tensor bytes take the
+  same-host shared-memory ring of ``shm.py`` when sender and receiver share a
+  host, with control and failure detection on process groups that
+  ``channel.py`` keeps across updates;
 * ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
   ``moerl``): receive whole, check against the served checkpoint's layout, apply
   with vLLM's layerwise reload, roll back on failure;
