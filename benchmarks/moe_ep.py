@@ -42,8 +42,8 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from titan_ext.models import get_arch  # noqa: E402
 from titan_ext.models.experts import LeanTokenDispatcher  # noqa: E402
+from moe_block import LOCAL_EXPERTS  # noqa: E402  (the block benchmark's EP=8 local expert counts)
 
-LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}
 
 
 def timed(fn, iters: int, warmup: int, dev) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 from _rl_runs import ROOT, machine, run_rl
 
 from rl_loop.config import RLConfig
-from rl_loop.placement import format_cpus, plan
+from rl_loop.placement import for_config, format_cpus
 
 COMPONENTS = ("gen_s", "score_s", "train_s", "sync_s", "wait_s")
 
@@ -42,8 +42,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny_kimi_k2.toml")
     args = ap.parse_args()
     out = {"command": f"benchmarks/rl_step.py --steps {args.steps} --config {args.config}", "machine": machine()}
-    cfg = RLConfig.from_toml(ROOT / args.config)
-    cores = plan(cfg.train.cpus, cfg.inference.cpus, cfg.inference.replicas)
+    cores = for_config(RLConfig.from_toml(ROOT / args.config))
     out["placement"] = None if cores is None else {
         "trainer": format_cpus(cores.trainer), "replicas": [format_cpus(c) for c in cores.replicas]}
     for name, k in (("async", 1), ("sync", 0)):

@@ -36,7 +36,7 @@ import torch
 from .advantages import group_advantages
 from .batch import ModelShape, Sample, pack
 from .config import RLConfig
-from .placement import format_cpus, pin, plan, trainer_env
+from .placement import for_config, format_cpus, pin, trainer_env
 from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .router import embedded_pick
@@ -75,8 +75,7 @@ class Orchestrator:
         self.trainer_proc: subprocess.Popen | None = None
         self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
         self.weight_sync = weight_sync
-        managed = config.inference.replicas
-        self.placement = plan(config.train.cpus, config.inference.cpus if managed else "", managed)
+        self.placement = for_config(config)
 
     # ------------------------------------------------------------------ set-up
 

@@ -86,6 +86,12 @@ def plan(trainer_spec: str, inference_spec: str, n_replicas: int,
     return Placement(trainer=trainer, replicas=_split(inference, max(n_replicas, 1)))
 
 
+def for_config(cfg) -> Placement | None:
+    """The placement an `RLConfig` asks for (external endpoints: only the trainer is placed)."""
+    managed = cfg.inference.replicas
+    return plan(cfg.train.cpus, cfg.inference.cpus if managed else "", managed)
+
+
 def trainer_env(cores: tuple[int, ...], nproc: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, len(cores) // max(nproc, 1)))}
 

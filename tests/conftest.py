@@ -42,3 +42,13 @@ def losses_from_log(text: str) -> list[float]:
     for m in re.finditer(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)", clean):
         seen.setdefault(int(m.group(1)), float(m.group(2)))
     return [seen[k] for k in sorted(seen)]
+
+
+def mask_spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) runs of a 0/1 loss mask: a multi-turn completion's model and environment turns."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out

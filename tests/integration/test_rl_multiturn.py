@@ -30,6 +30,7 @@ import verifiers as vf
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from tests.conftest import mask_spans
 from rl_loop.batch import ModelShape, pack
 from rl_loop.loss import LossConfig
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
@@ -96,16 +97,6 @@ def _prefix_cache_hits(replica) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) runs of a 0/1 mask."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((mask[start], start, i))
-            start = i
-    return out
-
-
 def _check_stitched(server, episodes, salt):
     for k, ep in enumerate(episodes):
         conv = ep.conversation
@@ -113,7 +104,7 @@ def _check_stitched(server, episodes, salt):
         assert stitched is not None and stitched.shape[0] == len(conv.ids) - 1
         # turn 1 carries prompt + completion - 1 rows; every later turn only its new positions
         first = len(conv.prompt_ids) + TURN_TOKENS - 1
-        env_lens = [e - s for v, s, e in _spans(conv.mask) if v == 0]
+        env_lens = [e - s for v, s, e in mask_spans(conv.mask) if v == 0]
         assert conv.rows_per_turn == [first] + [n + TURN_TOKENS for n in env_lens]
         ref = _reference_record(server, conv.ids, f"{salt}-{k}")
         differ = int((np.sort(stitched, -1) != np.sort(ref, -1)).any(-1).sum())
@@ -130,7 +121,7 @@ def test_builtin_multiturn_task_stitches_routing_across_turns(server):
     for ep in episodes:
         conv = ep.conversation
         assert conv.turns == 3 and sum(conv.mask) == 3 * TURN_TOKENS
-        spans = _spans(conv.mask)
+        spans = mask_spans(conv.mask)
         assert [v for v, _, _ in spans] == [1, 0, 1, 0, 1]
         replies = [tok.decode(conv.completion_ids[s:e]) for v, s, e in spans if v == 1]
         assert ep.reward == pytest.approx(task.reward(prompt, replies))
@@ -168,7 +159,7 @@ def test_verifiers_multiturn_env_through_the_adapter(server):
     episodes = _run(server, lambda ctx: task.run_group(ctx, prompt, 3, "v0", 3))
     tok = server[3]
     for ep in episodes:
-        conv, spans = ep.conversation, _spans(ep.conversation.mask)
+        conv, spans = ep.conversation, mask_spans(ep.conversation.mask)
         assert ep.error is None and conv.turns == 3 and [v for v, _, _ in spans] == [1, 0, 1, 0, 1]
         assert tok.decode(conv.prompt_ids) == f"user: {prompt.text}\nassistant:"
         replies = [tok.decode(conv.completion_ids[s:e]) for v, s, e in spans if v == 1]

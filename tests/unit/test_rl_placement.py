@@ -43,3 +43,13 @@ def test_unavailable_core_is_an_error():
 def test_envs():
     assert trainer_env((0, 1, 2, 3), 2) == {"OMP_NUM_THREADS": "2"}
     assert replica_env((4, 5)) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+
+
+def test_for_config_places_only_the_trainer_beside_external_endpoints():
+    from rl_loop.config import RLConfig
+    from rl_loop.placement import for_config
+
+    cfg = RLConfig()
+    cfg.inference.replicas, cfg.inference.endpoints = 0, ["http://10.0.0.5:8000"]
+    p = for_config(cfg)
+    assert p is not None and p.trainer == tuple(sorted(__import__("os").sched_getaffinity(0)))

@@ -20,6 +20,7 @@ import verifiers as vf
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from tests.conftest import mask_spans
 from rl_loop.batch import ModelShape, Sample, pack
 from rl_loop.config import RLConfig, describe
 from rl_loop.loss import policy_loss
@@ -261,15 +262,6 @@ class CountEnv(vf.MultiTurnEnv):
         return [vf.UserMessage(content=f"len {len(messages[-1].content or '')}, answer {state['answer']}")]
 
 
-def _spans(mask):
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((mask[start], start, i))
-            start = i
-    return out
-
-
 def test_multiturn_env_sees_responses_and_scores_with_its_rubric(tok):
     seen = []
 
@@ -290,7 +282,7 @@ def test_multiturn_env_sees_responses_and_scores_with_its_rubric(tok):
     answer = prompt.meta["input"]["answer"]
     for i, ep in enumerate(episodes):
         conv = ep.conversation
-        spans = _spans(conv.mask)
+        spans = mask_spans(conv.mask)
         assert ep.error is None and conv.turns == 3 and [v for v, _, _ in spans] == [1, 0, 1, 0, 1]
         sampled = [conv.completion_ids[s:e] for v, s, e in spans if v == 1]
         assert seen[i] == sampled
@@ -350,8 +342,8 @@ def test_load_environment_finds_the_example_and_it_scores_like_the_builtin(tok):
     episodes = asyncio.run(task.run_group(scripted(tok, max_tokens=6), prompt, 4, "g", 1))
     for ep in episodes:
         conv = ep.conversation
-        replies = [tok.decode(conv.completion_ids[s:e]) for v, s, e in _spans(conv.mask) if v == 1]
-        envs = [tok.decode(conv.completion_ids[s:e]) for v, s, e in _spans(conv.mask) if v == 0]
+        replies = [tok.decode(conv.completion_ids[s:e]) for v, s, e in mask_spans(conv.mask) if v == 1]
+        envs = [tok.decode(conv.completion_ids[s:e]) for v, s, e in mask_spans(conv.mask) if v == 0]
         assert ep.reward == pytest.approx(builtin.reward(prompt.__class__("", {"classes": classes}), replies))
         verdict = "ok" if class_fraction(classes[0], replies[0]) >= 0.5 else "no"
         assert envs == [f"\nuser: {verdict}. write {classes[1]}:\nassistant:"]
