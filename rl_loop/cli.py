@@ -55,14 +55,18 @@ def cmd_rl(args: argparse.Namespace) -> int:
     import asyncio
 
     from rl_loop.config import RLConfig
-    from rl_loop.orchestrator import Orchestrator
+    from rl_loop.orchestrator import Orchestrator, TrainerExited
 
     overrides = {}
     for item in args.set or []:
         key, _, raw = item.partition("=")
         overrides[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false") or _is_number(raw) else raw
     config = RLConfig.from_toml(args.config, overrides)
-    summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
+    try:
+        summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
+    except TrainerExited as e:
+        print(f"moerl rl: error: {e}", file=sys.stderr)
+        return 1
     print(f"\nrun finished: metrics {summary['metrics']}\n              plot    {summary['plot']}\n"
           f"              tensorboard --logdir {summary['tensorboard']}")
     return 0

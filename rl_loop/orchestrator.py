@@ -47,6 +47,10 @@ from vllm_ext.weights.wire import COMMIT_MARKER
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
 
 
+class TrainerExited(RuntimeError):
+    """The trainer process ended before the run did (crash, OOM kill, a user's kill)."""
+
+
 @dataclass
 class Rollouts:
     """The scored groups of one step and what producing them cost."""
@@ -193,12 +197,16 @@ class Orchestrator:
         self.counters["rejected_samples"] += len(rejected)
         return batch, fresh
 
+    def check_trainer(self, waiting_for: str) -> None:
+        if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
+            raise TrainerExited(f"trainer exited ({self.trainer_proc.returncode}) before {waiting_for}; see "
+                                f"{self.run_dir}/trainer.log, then continue with --resume")
+
     def wait_for_weights(self, version: int, timeout_s: float = 3600.0) -> Path:
         path = weights_dir(self.run_dir, version)
         deadline = time.time() + timeout_s
         while not (path / COMMIT_MARKER).exists():
-            if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
-                raise RuntimeError(f"trainer exited ({self.trainer_proc.returncode}); see {self.run_dir}/trainer.log")
+            self.check_trainer(f"publishing weights v{version}")
             if time.time() > deadline:
                 raise TimeoutError(f"weights v{version} not published after {timeout_s:.0f}s")
             time.sleep(0.05)
@@ -207,8 +215,7 @@ class Orchestrator:
     async def wait_for_metrics(self, step: int) -> dict:
         path = metrics_path(self.run_dir, step)
         while not path.exists():
-            if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
-                raise RuntimeError(f"trainer exited ({self.trainer_proc.returncode}); see {self.run_dir}/trainer.log")
+            self.check_trainer(f"finishing step {step}")
             await asyncio.sleep(0.05)
         self.wait_for_weights(step)
         return json.loads(path.read_text())
@@ -278,7 +285,13 @@ class Orchestrator:
                     # both are done, so the trainer never waits for the weight sync below.
                     ahead = asyncio.create_task(submit(step + 1)) if k >= 1 and step < last else None
                     t_wait = time.perf_counter()
-                    metrics = await self.wait_for_metrics(step)
+                    try:
+                        metrics = await self.wait_for_metrics(step)
+                    except BaseException:
+                        if ahead is not None:  # its requests would outlive the session
+                            ahead.cancel()
+                            await asyncio.gather(ahead, return_exceptions=True)
+                        raise
                     wait_s = time.perf_counter() - t_wait
                     if ahead is not None:
                         await ahead

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -134,7 +135,26 @@ def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype:
         drain(model, dtype=wire_dtype)
 
 
+def die_with_parent() -> None:
+    """Make this worker die when its torchrun agent dies (Linux).
+
+    torchrun starts each worker in a session of its own, so a signal to the
+    agent's process group (an OOM kill, a user's kill, the orchestrator's
+    shutdown after a crash) would leave the worker training on, unsupervised,
+    and publishing weights nobody asked for."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
     import titan_ext  # noqa: F401 - importing it applies the runtime patches
     from titan_ext.checkpoint import read_arch
     from titan_ext.train_config import trainer_config

@@ -83,14 +83,16 @@ def test_killed_trainer_resumes_with_replicas_on_the_trainers_version(tmp_path):
     proc = _moerl_rl(run_dir, *steps, port=port)
     try:
         _wait_for_step(proc, run_dir, 3)
-        trainer = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                       if "rl_loop.trainer" in " ".join(p.cmdline()))
-        _kill_tree(trainer.pid)
+        trainer = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "rl_loop.trainer" in " ".join(p.cmdline())]
+        assert len(trainer) == 2, trainer  # torchrun and its worker (in a session of its own)
+        _kill_tree(trainer[0].pid)  # torchrun's process group, as an OOM kill or a user would
         out = _finish(proc)
     finally:
         if proc.poll() is None:
             _kill_tree(proc.pid)
     assert proc.returncode != 0 and "trainer exited" in out, out[-3000:]
+    assert not [p for p in trainer if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphaned trainer"
 
     proc = _moerl_rl(run_dir, *steps, "--resume", port=port)
     out = _finish(proc)
