@@ -55,18 +55,30 @@ def log(*a):
 
 def timed(fn, iters: int, warmup: int) -> float:
     """Median milliseconds of fn() over iters runs, after warmup runs (CUDA events)."""
+    return timed_interleaved([fn], iters, warmup)[0]
+
+
+def timed_interleaved(fns, iters: int, warmup: int) -> list[float]:
+    """Median milliseconds of each fn, run in turn round after round.
+
+    The H200's clocks drift by a few percent between seconds-apart measurements of the same
+    GEMMs; interleaving exposes the cases compared with each other (roofline, replay off/on)
+    to the same drift.
+    """
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+    return [statistics.median(ts) for ts in times]
 
 
 def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = False):
@@ -119,8 +131,8 @@ def compile_block(moe):
     moe.shared_experts.compile()
 
 
-def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool, iters: int) -> float:
-    """ms of the expert SwiGLU FFN alone (fwd+bwd) on the routed rows `counts_E` describe."""
+def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool):
+    """A step running the expert SwiGLU FFN alone (fwd+bwd) on the routed rows `counts_E` describe."""
     d, f = arch.dim, arch.moe_hidden_dim
     e = counts_E.numel()
     if fp8:
@@ -145,12 +157,10 @@ def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool, iters: int) -> float:
         h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
         gmm(h, w2.transpose(-2, -1), offs).backward(gy)
 
-    ms = timed(step, iters, 2)
-    del x, w1, w2, w3, gy
-    return ms
+    return step
 
 
-def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: int):
+def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: int, fp8: bool = True):
     bf16, arch = build_moe(model, dev)
     fp8_model = None
     for tokens in tokens_list:
@@ -165,16 +175,15 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
             flip = torch.rand(tokens, device=dev, generator=g) < 0.05  # 5% of tokens routed differently
             replay_ids[0, flip] = (replay_ids[0, flip] + 1) % LOCAL_EXPERTS[model]
             replay_ids = replay_ids.unsqueeze(2)  # [B, S, moe layers, K]
-        roof_ms = grouped_ffn_roofline(arch, counts, dev, fp8=False, iters=iters)
-        roof = fl["routed"] / roof_ms / 1e9
-        log(f"{model} T={tokens} roofline grouped FFN bf16: {roof_ms:.2f} ms {roof:.1f} TFLOP/s")
+        n_iters = iters * max(1, 65536 // tokens)  # short steps: more of them, for a stable median
         roof8 = None
-        try:
-            roof8_ms = grouped_ffn_roofline(arch, counts, dev, fp8=True, iters=iters)
-            roof8 = fl["routed"] / roof8_ms / 1e9
-            log(f"{model} T={tokens} grouped FFN fp8 (torchao rowwise): {roof8_ms:.2f} ms {roof8:.1f} TFLOP/s")
-        except Exception:
-            log("fp8 grouped FFN failed:\n" + traceback.format_exc(limit=3))
+        if fp8:
+            try:
+                roof8_ms = timed(grouped_ffn_roofline(arch, counts, dev, fp8=True), iters, 2)
+                roof8 = fl["routed"] / roof8_ms / 1e9
+                log(f"{model} T={tokens} grouped FFN fp8 (torchao rowwise): {roof8_ms:.2f} ms {roof8:.1f} TFLOP/s")
+            except Exception:
+                log("fp8 grouped FFN failed:\n" + traceback.format_exc(limit=3))
 
         def run_block(m, replay):
             def step():
@@ -197,15 +206,22 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
                 f"({tf / roof:.1%} of roofline)")
             write(res)
 
-        for replay in (False, True):
-            add("bf16", replay, timed(run_block(bf16, replay), iters, 2), "eager")
+        # the roofline and the eager block with replay off and on, interleaved (same clock drift)
+        roof_ms, *eager_ms = timed_interleaved(
+            [grouped_ffn_roofline(arch, counts, dev, fp8=False), run_block(bf16, False), run_block(bf16, True)],
+            n_iters, 2)
+        torch.cuda.empty_cache()
+        roof = fl["routed"] / roof_ms / 1e9
+        log(f"{model} T={tokens} roofline grouped FFN bf16: {roof_ms:.2f} ms {roof:.1f} TFLOP/s")
+        for replay, ms in zip((False, True), eager_ms):
+            add("bf16", replay, ms, "eager")
         if tokens == max(tokens_list):
             stock, _ = build_moe(model, dev, stock_dispatcher=True)
             add("bf16", False, timed(run_block(stock, False), iters, 2), "eager, torchtitan stock dispatcher")
             del stock
         torch.cuda.empty_cache()
 
-        if time.time() < deadline:
+        if fp8 and time.time() < deadline:
             try:
                 if fp8_model is None:
                     fp8_model, _ = build_moe(model, dev, pad_multiple=16)
@@ -215,8 +231,9 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
                     num = fp8_numerics(bf16, fp8_model, x)
                     res.setdefault("fp8_numerics", {})[model] = num
                     log(f"{model} fp8 vs bf16 numerics: {json.dumps(num)}")
-                for replay in (False, True):
-                    add("fp8", replay, timed(run_block(fp8_model, replay), iters, 3), "compiled")
+                for replay, ms in zip((False, True), timed_interleaved(
+                        [run_block(fp8_model, False), run_block(fp8_model, True)], n_iters, 3)):
+                    add("fp8", replay, ms, "compiled")
             except Exception:
                 log("fp8 block failed:\n" + traceback.format_exc())
                 res["errors"].append(f"{model} T={tokens} fp8: {traceback.format_exc(limit=2)}")
@@ -225,8 +242,9 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
             try:
                 cbf = copy.deepcopy(bf16)
                 compile_block(cbf)
-                for replay in (False, True):
-                    add("bf16", replay, timed(run_block(cbf, replay), iters, 3), "compiled")
+                for replay, ms in zip((False, True), timed_interleaved(
+                        [run_block(cbf, False), run_block(cbf, True)], n_iters, 3)):
+                    add("bf16", replay, ms, "compiled")
                 del cbf
             except Exception:
                 log("bf16 compiled failed:\n" + traceback.format_exc())
@@ -365,6 +383,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480, help="no new compiled case after this many seconds")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dsa", action="store_true")
+    ap.add_argument("--skip-fp8", action="store_true", help="bf16 MoE cases only")
     args = ap.parse_args()
     OUT_PATH[0] = args.out
     dev = torch.device("cuda")
@@ -404,7 +423,7 @@ def main():
     if not args.skip_moe:
         for model in args.models:
             try:
-                moe_cases(model, args.tokens, dev, res, deadline, args.iters)
+                moe_cases(model, args.tokens, dev, res, deadline, args.iters, fp8=not args.skip_fp8)
             except Exception:
                 log("MoE failed:\n" + traceback.format_exc())
                 res["errors"].append(f"{model}: {traceback.format_exc(limit=3)}")

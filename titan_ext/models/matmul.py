@@ -1,4 +1,4 @@
-"""Batched matmul with an fp32 result, shared by the MoE token dispatch and the DSA kernels.
+"""Batched matmul with an fp32 result, for the DSA kernels.
 
 16-bit inputs keep their bandwidth advantage while the products accumulate and
 land in fp32, as the reference implementations compute them.
