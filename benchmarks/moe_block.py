@@ -11,8 +11,9 @@ experts, tensorwise Float8Linear for the shared expert; torch.compile). FLOPs co
 matmul the block does (gate, routed experts, shared expert), 3x the forward for fwd+bwd.
 fp8 numerics: loss mean(out^2) and every gradient against bf16 on the same inputs/weights.
 
-DSA: GLM-5's attention layer (titan_ext's DSAAttention, sparse implementation) forward+
-backward at 32k and 128k tokens against TorchTitan's dense MLA attention (causal SDPA) at
+DSA: GLM-5's attention layer (titan_ext's DSAAttention, sparse implementation: the Triton
+kernels of glm5/sparse_mla_triton.py on CUDA, "impl" in each entry) forward+backward at 32k
+and 128k tokens against TorchTitan's dense MLA attention (causal SDPA) at
 the same length; time and peak memory.
 
     python benchmarks/moe_block.py --out benchmarks/results/moe_block_h200.json
@@ -316,6 +317,7 @@ def dsa_cases(tokens_list, dev, res, iters):
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 entry["ms"] = round(timed(step(dsa), iters, 1), 1)
+                entry["impl"] = dsa.sparse_impl  # "triton" kernels or the chunked "torch" path
                 entry["gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 entry["gib_above_inputs"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
                 with torch.no_grad():
@@ -323,7 +325,7 @@ def dsa_cases(tokens_list, dev, res, iters):
                     torch.cuda.synchronize()
                     entry["indexer_ms"] = round(timed(lambda: dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None), 1, 0), 1)
                     del idx
-                log(f"DSA T={tokens} heads={heads}: {entry['ms']} ms, peak {entry['gib']} GiB (indexer {entry['indexer_ms']} ms)")
+                log(f"DSA ({entry['impl']}) T={tokens} heads={heads}: {entry['ms']} ms, peak {entry['gib']} GiB (indexer {entry['indexer_ms']} ms)")
                 del dsa
                 torch.cuda.empty_cache()
                 with torch.device(dev):

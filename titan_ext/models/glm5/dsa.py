@@ -13,6 +13,12 @@ Two implementations of the same function:
   gathers only the selected keys, chunk by chunk, with a hand-written backward
   that recomputes the gather instead of saving it. Memory O(S * topk) indices
   plus O(chunk * topk * latent) scratch: 128k tokens fit on one GPU.
+  On CUDA (when Triton imports and the widths are powers of two, as GLM-5's 512 + 64
+  are) that attention runs as Triton kernels instead (`sparse_mla_triton`: one program
+  per query token, heads as the matmul M dimension, online softmax over the gathered
+  keys, fp32 atomics for the key gradients); the chunked torch version stays the CPU
+  path and the reference the kernels are tested against. `DSAAttention.sparse_impl`
+  says which one the last forward used.
 - `impl="dense_mask"`: the selection as a dense S x S boolean mask over SDPA,
   kept as the reference the sparse path is tested against (fine on CPU, O(S^2)).
 In fp32 on small sequences both give the same selection and agree to rounding.
@@ -111,6 +117,27 @@ class LightningIndexer(Module):
         return index_scores.topk(topk, dim=-1).indices
 
 
+_TRITON: list = []  # [sparse_mla_triton module, or None when Triton does not import]
+
+
+def _triton_kernels():
+    if not _TRITON:
+        try:
+            from . import sparse_mla_triton
+        except ImportError:
+            sparse_mla_triton = None
+        _TRITON.append(sparse_mla_triton)
+    return _TRITON[0]
+
+
+def sparse_attention_impl(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> Literal["triton", "torch"]:
+    """Which implementation of the sparse latent attention runs for these tensors."""
+    if not q.is_cuda:
+        return "torch"
+    kernels = _triton_kernels()
+    return "triton" if kernels is not None and kernels.supported(q, kv, v_dim) else "torch"
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     """softmax(scale * q k^T over the selected keys) v, in MLA's latent space.
 
@@ -186,6 +213,7 @@ class DSAAttention(Attention):
         self.indexer = config.indexer.build()
         self.impl = config.impl
         self.query_chunk = config.query_chunk
+        self.sparse_impl: str | None = None  # "triton" or "torch": what the last sparse forward ran
 
     def forward(self, x: torch.Tensor, attention_masks: AttentionMasksType, positions: torch.Tensor | None = None):
         if attention_masks is not None:
@@ -213,9 +241,15 @@ class DSAAttention(Attention):
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
         q_all = torch.cat([q_lat, q_pe], dim=-1)
         kv_all = torch.cat([self.kv_norm(kv), k_pe.squeeze(2)], dim=-1)
-        o_lat = _SparseLatentAttention.apply(
-            q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk
-        )
+        self.sparse_impl = sparse_attention_impl(q_all, kv_all, self.kv_lora_rank)
+        if self.sparse_impl == "triton":
+            o_lat = _triton_kernels().sparse_latent_attention(
+                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank
+            )
+        else:
+            o_lat = _SparseLatentAttention.apply(
+                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk
+            )
         return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
 
     def _dense_mask_attention(self, q_nope, q_pe, kv, k_pe, selected):
