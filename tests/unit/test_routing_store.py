@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import secrets
@@ -115,6 +116,19 @@ def test_segments_of_dead_servers_are_swept(store):
     assert sweep_dead_servers() >= 1
     assert not os.path.exists(stale)
     assert os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'a')}")  # this process's server lives
+
+
+def test_no_room_for_a_segment_is_a_clear_error(store, monkeypatch):
+    s = store()
+
+    def fake_full_tmpfs(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", fake_full_tmpfs)
+    with pytest.raises(OSError, match="larger /dev/shm"):
+        s.open("big", 0, 1 << 20)
+    assert not os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'big')}")
+    assert "big" not in s
 
 
 def test_bad_writes_are_refused(store):

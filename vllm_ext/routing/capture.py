@@ -128,7 +128,10 @@ class WorkerRouting:
             sp = new.sampling_params
             prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
             capacity = min(prompt + sp.max_tokens, self.max_model_len) if sp and sp.max_tokens else self.max_model_len
-            store.open(rid, int(start), capacity)
+            try:
+                store.open(rid, int(start), capacity)
+            except OSError as exc:
+                logger.error("moerl routing: request %s gets no routing: %s", rid, exc)
         for rid, packed in meta.block_hashes.items():
             store.add_block_hashes(rid, list(packed))
         for rid in meta.finished_requests:

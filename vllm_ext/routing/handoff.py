@@ -124,13 +124,20 @@ class RowsSegment:
     @classmethod
     def create(cls, name: str, start: int, capacity: int, layers: int, top_k: int,
                dtype: np.dtype | str) -> RowsSegment:
-        """A fresh, zeroed segment (tmpfs pages are allocated as rows are written)."""
+        """A fresh, zeroed segment, its pages reserved."""
         dtype = np.dtype(dtype)
         size = cls._size(capacity, layers, top_k, dtype.itemsize)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: a tmpfs that fills up later would kill the
+            # worker with SIGBUS on the write, instead of failing here, clearly.
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.unlink(path)
+            raise OSError(exc.errno, f"cannot reserve {size} bytes in {SHM_DIR} for routing rows ({exc.strerror}); "
+                                     f"give the server a larger {SHM_DIR} (e.g. docker --shm-size)") from None
         finally:
             os.close(fd)
         mm[:_HEADER.size] = _HEADER.pack(_MAGIC, start, capacity, layers, top_k, dtype.itemsize)
@@ -180,7 +187,7 @@ def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
         seg = RowsSegment.open(name)
     except FileNotFoundError:
         raise MissingRowsError(f"request {req_id}: no routing rows were handed over ({name} does not exist: "
-                               f"not a MoE model, capture failed in the worker, or read more than "
+                               f"the worker could not create it (see its log), or it was reaped "
                                f"{GRACE_S:.0f}s after the request finished)") from None
     try:
         start = seg.start
