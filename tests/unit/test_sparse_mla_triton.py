@@ -58,14 +58,16 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(
-    "bsz,seqlen,n_heads,topk,v_dim,rope,block_n",
+    "bsz,seqlen,n_heads,topk,v_dim,rope,block_n,chunk",
     [
-        (1, 96, 4, 32, 64, 16, 32),  # padded heads (4 -> 16), first 31 queries select later keys
-        (2, 130, 16, 32, 64, 16, 16),  # two batch rows (offsets into kv), two key blocks per query
-        (1, 200, 5, 40, 64, 16, 32),  # topk not a multiple of the key block: masked tail
+        (1, 96, 4, 32, 64, 16, 32, None),  # padded heads (4 -> 16), first 31 queries select later keys
+        # two batch rows (offsets into kv), two key blocks per query; backward chunks of 97
+        # query tokens, one of them across the batch boundary, the last one short
+        (2, 130, 16, 32, 64, 16, 16, 97),
+        (1, 200, 5, 40, 64, 16, 32, 64),  # topk not a multiple of the key block: masked tail
     ],
 )
-def test_triton_matches_torch_sparse_attention(bsz, seqlen, n_heads, topk, v_dim, rope, block_n):
+def test_triton_matches_torch_sparse_attention(bsz, seqlen, n_heads, topk, v_dim, rope, block_n, chunk):
     gen = torch.Generator().manual_seed(seqlen + n_heads)
     c = v_dim + rope
     q = torch.randn(bsz, seqlen, n_heads, c, generator=gen)
@@ -88,7 +90,8 @@ def test_triton_matches_torch_sparse_attention(bsz, seqlen, n_heads, topk, v_dim
     assert _rel(out, ref.detach()) < 1e-5
     assert (lse - lse_ref).abs().max().item() < 1e-4
 
-    dq, dkv = smt.sparse_mla_bwd(q, kv, idx, out, lse, dout, scale, cfg)
+    dkv_cfg = {"BLOCK_N": 16 if block_n == 32 else 32, "SPLIT_V": 2 if chunk else 1, "num_warps": 4, "num_stages": 1}
+    dq, dkv = smt.sparse_mla_bwd(q, kv, idx, out, lse, dout, scale, cfg, dkv_cfg, chunk)
     assert _rel(dq, q_ref.grad) < 1e-5
     assert _rel(dkv, kv_ref.grad) < 1e-5
     # Keys nobody may attend to (selected only as future keys, or never) get exactly zero.

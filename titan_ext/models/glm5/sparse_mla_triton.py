@@ -13,22 +13,23 @@ a pointer load driven by the index vector, scores them against all heads, and ke
 softmax (base-2 exponentials, fp32 statistics). An index after the query's position is
 masked (and never loaded), as in the torch path. Forward saves the natural-log LSE per head.
 
-Backward: two programs per query token, each owning one half of the value/latent channels
-(half 0 also the rope channels): the accumulator of a whole `[64 heads, 576]` dq plus the
-key-block gradients did not fit one program's registers and shared memory. Both halves
-recompute the full scores from the saved LSE and `dP = dO V^T` (delta = rowsum(dO * O) is
-formed in the kernel); per key block `dS = P * (dP - delta) * scale`, `dq_half += dS K_half`
-in registers, and the key block's gradient `dS^T q_half + P^T dO_half` goes with fp32 atomics
-into a `[B*S, C]` fp32 buffer, cast to the input dtype at the end. Written as `trans(dS) @ q`
-(q as the value-like operand): the transposed form `trans(q) @ dS` read shared memory out of
-bounds on sm_90 with Triton 3.6 (compute-sanitizer).
+Backward: two passes over each chunk of query tokens, one program per token in each, all heads
+together. Pass 1 (`_bwd_dq_kernel`, shaped like the forward) recomputes the scores from the
+saved LSE and `dP = dO V^T` once (delta = rowsum(dO * O) formed in the kernel), `dS = P * (dP -
+delta) * scale`, accumulates `dq += dS K` in registers and writes dS and P (input dtype, as they
+enter the matmuls) to a `[chunk, topk, heads]` scratch. Pass 2 (`_bwd_dkv_kernel`) reads them
+back per key block and forms the key gradient `dS^T q + P^T dO` (keys as the matmul M
+dimension, heads as K, q and dO held in shared memory as the B operand), added with fp32
+atomics into a `[B*S, C]` fp32 buffer, cast to the input dtype at the end. Chunks keep the
+scratch near SCRATCH_BYTES. (The previous single kernel split the channels over two programs
+per token, both recomputing the scores: 351 ms at 32k, this 150 ms.)
 
-Measured on one H200 (Triton 3.6, 32k tokens, 64 heads, top-2048, 512 + 64, causal random
-selection): forward 53 ms (177 TFLOP/s), backward 356 ms (93 TFLOP/s; the 2x score recompute,
-small M=16 matmuls for the key gradients, some register spills and 38.6G fp32 atomics). The
-backward is where further work pays. (In that run delta was still a torch rowsum over fp32
-copies of dO and O, about 50 GiB of temporaries at 128k tokens; it is now formed in the
-kernel, not yet re-measured there.)
+Measured on one H200 (Triton 3.6, torch 2.11, 32k tokens, 64 heads, top-2048, 512 + 64, causal
+random selection, bf16): forward 53 ms (177 TFLOP/s); backward 150 ms = pass 1 70 ms (205
+TFLOP/s) + pass 2 80 ms (117 TFLOP/s; all configurations tried took 80 ms or more, so the
+38.6G fp32 atomics likely bound it). Relative L2 error against the fp32 torch path at 4096
+tokens: out 0.0020, dq 0.0023, dkv 0.0024 (the same as the previous kernel). The whole DSA layer
+fwd+bwd: 322 ms at 32k (dense causal MLA 345 ms) and 1932 ms at 128k (dense 4928 ms), peak 48.8 GiB.
 
 Inputs: bf16 (or fp32) `q [B, S, H, C]`, `kv [B, S, C]`, int `idx [B, S, K]` with entries
 in `[0, S)` and no duplicates within a row (the indexer's top-k); fp32 accumulation. A query
@@ -47,25 +48,33 @@ from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634
 
-# Launch settings per direction (key-block size, warps, pipeline stages), first that fits the
-# device's shared memory wins (checked once, at the first launch; the interpreter ignores
-# warps and stages). The backward's first choice needs about 226 KiB of shared memory on
-# sm_90 with Triton 3.7: q and dO are held both as the score matmuls' A operand and as the
-# key-gradient matmul's B operand. The second fits easily but spills registers.
+# Launch settings per kernel (key-block size, warps, pipeline stages; SPLIT_V for pass 2), the
+# first that fits the device's shared memory wins (checked once, at the first launch; the
+# interpreter ignores warps and stages). Backward firsts are the fastest measured on the H200
+# at 32k: pass 1 BLOCK_N 64 / 8 warps 70 ms (32 / 8 warps 92, 32 with 2 stages 129, 16 warps
+# 178+); pass 2 BLOCK_N 64 in value halves / 8 warps 80 ms (one [64, 512] tile or 2 stages:
+# out of shared memory; 32 keys / 4 warps 82-132, 16 warps 393).
 FWD_CONFIGS = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}]
-BWD_CONFIGS = [{"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}]
+BWD_CONFIGS = [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}]
+DKV_CONFIGS = [
+    {"BLOCK_N": 64, "SPLIT_V": 2, "num_warps": 8, "num_stages": 1},
+    {"BLOCK_N": 32, "SPLIT_V": 2, "num_warps": 4, "num_stages": 1},
+]
+CONFIGS = {"fwd": FWD_CONFIGS, "bwd": BWD_CONFIGS, "dkv": DKV_CONFIGS}
+# dS and P scratch of the backward (bytes, both together): 2 GiB is 4096 tokens at 64 heads, top-2048, bf16.
+SCRATCH_BYTES = 2 << 30
 _CHOSEN: dict[str, int] = {}
 
 
 def _launch(kind: str, kernel, grid, args, consts, config: dict | None):
     """Launch with `config`, or with the first entry of the kind's list that compiles here."""
-    configs = [config] if config is not None else (FWD_CONFIGS if kind == "fwd" else BWD_CONFIGS)
+    configs = [config] if config is not None else CONFIGS[kind]
     start = _CHOSEN.get(kind, 0) if config is None else 0
     for i in range(start, len(configs)):
         cfg = dict(configs[i])
-        block_n = cfg.pop("BLOCK_N")
+        meta = {k: cfg.pop(k) for k in list(cfg) if k.isupper()}  # BLOCK_N, SPLIT_V: constexprs
         try:
-            kernel[grid](*args, BLOCK_N=block_n, **consts, **cfg)
+            kernel[grid](*args, **meta, **consts, **cfg)
         except OutOfResources:
             if i == len(configs) - 1:
                 raise
@@ -135,72 +144,106 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
-    Q, KV, IDX, O, DO, LSE, DQ, DKV,
-    seqlen, n_heads, topk, scale, qk_scale,
+def _bwd_dq_kernel(
+    Q, KV, IDX, O, DO, LSE, DQ, DS, PS,
+    tok0, seqlen, n_heads, topk, scale, qk_scale,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Program (token, half): both halves recompute the full scores and dP; each owns one half
-    # ("a") of the value/latent channels for dq and dkv, half 0 also the rope channels.
-    tok = (tl.program_id(0) // 2).to(tl.int64)  # the two halves of a token run side by side
-    half = tl.program_id(0) % 2
+    # Pass 1, one program per query token (all heads): recompute P from the saved LSE and
+    # dP = dO V^T once, dS = P * (dP - delta) * scale; dq += dS K in registers; dS and P go
+    # (in the input dtype, as they enter the matmuls) to the scratch [chunk, topk, heads].
+    loc = tl.program_id(0).to(tl.int64)
+    tok = tok0 + loc
     pos = tok % seqlen
     row0 = tok - pos
-    HALF: tl.constexpr = D_V // 2
     offs_h = tl.arange(0, BLOCK_H)
-    offs_a = half * HALF + tl.arange(0, HALF)
-    offs_b = (1 - half) * HALF + tl.arange(0, HALF)
-    offs_r = D_V + tl.arange(0, D_R)
+    offs_v = tl.arange(0, D_V)
+    offs_r = tl.arange(0, D_R)
     hmask = offs_h < n_heads
     q_ptr = Q + tok * stride_qt + offs_h[:, None] * stride_qh
-    q_a = tl.load(q_ptr + offs_a[None, :], mask=hmask[:, None], other=0.0)
-    q_b = tl.load(q_ptr + offs_b[None, :], mask=hmask[:, None], other=0.0)
-    q_r = tl.load(q_ptr + offs_r[None, :], mask=hmask[:, None], other=0.0)
-    do_ptr = DO + tok * stride_dot + offs_h[:, None] * stride_doh
-    do_a = tl.load(do_ptr + offs_a[None, :], mask=hmask[:, None], other=0.0)
-    do_b = tl.load(do_ptr + offs_b[None, :], mask=hmask[:, None], other=0.0)
+    q_v = tl.load(q_ptr + offs_v[None, :], mask=hmask[:, None], other=0.0)
+    q_r = tl.load(q_ptr + D_V + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    do = tl.load(DO + tok * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=hmask[:, None], other=0.0)
+    o = tl.load(O + tok * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :], mask=hmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), fp32
     # Padded heads: LSE +inf makes their probabilities (hence every contribution) zero.
     lse2 = tl.load(LSE + tok * n_heads + offs_h, mask=hmask, other=float("inf")) * 1.4426950408889634
-    # delta = rowsum(dO * O) in fp32, here rather than as a separate pass over [S, H, v_dim].
-    o_ptr = O + tok * stride_ot + offs_h[:, None] * stride_oh
-    o_a = tl.load(o_ptr + offs_a[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    delta = tl.sum(do_a.to(tl.float32) * o_a, 1)
-    o_b = tl.load(o_ptr + offs_b[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    delta += tl.sum(do_b.to(tl.float32) * o_b, 1)
+    s_ptr = DS + loc * topk * n_heads + offs_h[:, None]
+    p_ptr = PS + loc * topk * n_heads + offs_h[:, None]
 
-    dq_a = tl.zeros([BLOCK_H, HALF], tl.float32)
+    dq_v = tl.zeros([BLOCK_H, D_V], tl.float32)
     dq_r = tl.zeros([BLOCK_H, D_R], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kidx = tl.load(IDX + tok * stride_it + offs_n, mask=offs_n < topk, other=0).to(tl.int64)
         valid = (offs_n < topk) & (kidx <= pos) & (kidx >= 0)
-        rows = row0 + kidx
-        k_ptr = KV + rows[:, None] * stride_kvt
-        k_a = tl.load(k_ptr + offs_a[None, :], mask=valid[:, None], other=0.0)
-        k_b = tl.load(k_ptr + offs_b[None, :], mask=valid[:, None], other=0.0)
-        k_r = tl.load(k_ptr + offs_r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_a, tl.trans(k_a))
-        s = tl.dot(q_b, tl.trans(k_b), s)
+        k_ptr = KV + (row0 + kidx)[:, None] * stride_kvt
+        k_v = tl.load(k_ptr + offs_v[None, :], mask=valid[:, None], other=0.0)
+        k_r = tl.load(k_ptr + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q_v, tl.trans(k_v))
         s = tl.dot(q_r, tl.trans(k_r), s)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(valid[None, :], p, 0.0)
-        dp = tl.dot(do_a, tl.trans(k_a))
-        dp = tl.dot(do_b, tl.trans(k_b), dp)
-        ds = (p * (dp - delta[:, None]) * scale).to(k_a.dtype)
-        dq_a = tl.dot(ds, k_a, dq_a)
+        dp = tl.dot(do, tl.trans(k_v))
+        ds = (p * (dp - delta[:, None]) * scale).to(k_v.dtype)
+        smask = hmask[:, None] & (offs_n < topk)[None, :]
+        tl.store(s_ptr + offs_n[None, :] * n_heads, ds, mask=smask)
+        tl.store(p_ptr + offs_n[None, :] * n_heads, p.to(k_v.dtype), mask=smask)
+        dq_v = tl.dot(ds, k_v, dq_v)
         dq_r = tl.dot(ds, k_r, dq_r)
-        # Key-block gradients [keys, channels]: the transposed probabilities (registers) times
-        # q and dO (shared memory, as the value operand of a forward attention).
-        dk_a = tl.dot(tl.trans(ds), q_a)
-        dk_a = tl.dot(tl.trans(p.to(k_a.dtype)), do_a, dk_a)
-        dk_r = tl.dot(tl.trans(ds), q_r)
-        dkv_ptr = DKV + rows[:, None] * (D_V + D_R)
-        tl.atomic_add(dkv_ptr + offs_a[None, :], dk_a, mask=valid[:, None], sem="relaxed")
-        tl.atomic_add(dkv_ptr + offs_r[None, :], dk_r, mask=valid[:, None] & (half == 0), sem="relaxed")
     dq_ptr = DQ + tok * stride_dqt + offs_h[:, None] * stride_dqh
-    tl.store(dq_ptr + offs_a[None, :], dq_a.to(DQ.dtype.element_ty), mask=hmask[:, None])
-    tl.store(dq_ptr + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=hmask[:, None] & (half == 0))
+    tl.store(dq_ptr + offs_v[None, :], dq_v.to(DQ.dtype.element_ty), mask=hmask[:, None])
+    tl.store(dq_ptr + D_V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    Q, DO, IDX, DS, PS, DKV,
+    tok0, seqlen, n_heads, topk,
+    stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_V: tl.constexpr,
+):
+    # Pass 2, one program per query token: per block of its selected keys, the key gradient
+    # dS^T q (+ P^T dO on the value channels) with the keys as the matmul M dimension and the
+    # heads as K; fp32 atomics into the [B*S, C] buffer. SPLIT_V=2 does the value channels as
+    # two halves (smaller fp32 tiles to convert for the atomics), the same arithmetic.
+    loc = tl.program_id(0).to(tl.int64)
+    tok = tok0 + loc
+    pos = tok % seqlen
+    row0 = tok - pos
+    W: tl.constexpr = D_V // SPLIT_V
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_a = tl.arange(0, W)
+    offs_r = tl.arange(0, D_R)
+    hmask = offs_h < n_heads
+    q_ptr = Q + tok * stride_qt + offs_h[:, None] * stride_qh
+    do_ptr = DO + tok * stride_dot + offs_h[:, None] * stride_doh
+    q_a = tl.load(q_ptr + offs_a[None, :], mask=hmask[:, None], other=0.0)
+    do_a = tl.load(do_ptr + offs_a[None, :], mask=hmask[:, None], other=0.0)
+    if SPLIT_V == 2:
+        q_b = tl.load(q_ptr + W + offs_a[None, :], mask=hmask[:, None], other=0.0)
+        do_b = tl.load(do_ptr + W + offs_a[None, :], mask=hmask[:, None], other=0.0)
+    q_r = tl.load(q_ptr + D_V + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    s_ptr = DS + loc * topk * n_heads + offs_h[None, :]
+    p_ptr = PS + loc * topk * n_heads + offs_h[None, :]
+    for n0 in range(0, topk, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kidx = tl.load(IDX + tok * stride_it + offs_n, mask=offs_n < topk, other=0).to(tl.int64)
+        valid = (offs_n < topk) & (kidx <= pos) & (kidx >= 0)
+        m = valid[:, None] & hmask[None, :]
+        ds_t = tl.load(s_ptr + offs_n[:, None] * n_heads, mask=m, other=0.0)  # [keys, heads]
+        p_t = tl.load(p_ptr + offs_n[:, None] * n_heads, mask=m, other=0.0)
+        dkv_ptr = DKV + (row0 + kidx)[:, None] * (D_V + D_R)
+        dk_a = tl.dot(ds_t, q_a)
+        dk_a = tl.dot(p_t, do_a, dk_a)
+        tl.atomic_add(dkv_ptr + offs_a[None, :], dk_a, mask=valid[:, None], sem="relaxed")
+        if SPLIT_V == 2:
+            dk_b = tl.dot(ds_t, q_b)
+            dk_b = tl.dot(p_t, do_b, dk_b)
+            tl.atomic_add(dkv_ptr + W + offs_a[None, :], dk_b, mask=valid[:, None], sem="relaxed")
+        dk_r = tl.dot(ds_t, q_r)
+        tl.atomic_add(dkv_ptr + D_V + offs_r[None, :], dk_r, mask=valid[:, None], sem="relaxed")
 
 
 def _block_h(n_heads: int) -> int:
@@ -233,8 +276,12 @@ def sparse_mla_fwd(q, kv, idx, scale: float, v_dim: int, config: dict | None = N
     return out.view(bsz, seqlen, n_heads, v_dim), lse.view(bsz, seqlen, n_heads)
 
 
-def sparse_mla_bwd(q, kv, idx, out, lse, dout, scale: float, config: dict | None = None):
-    """Backward: (dq like q, dkv like kv)."""
+def sparse_mla_bwd(
+    q, kv, idx, out, lse, dout, scale: float,
+    config: dict | None = None, dkv_config: dict | None = None, chunk_tokens: int | None = None,
+):
+    """Backward: (dq like q, dkv like kv). Two passes per chunk of query tokens (the dS / P
+    scratch is `2 * topk * heads` elements per token, so chunks keep it near SCRATCH_BYTES)."""
     bsz, seqlen, n_heads, c = q.shape
     v_dim = out.size(-1)
     qf, kvf, idxf = _flat(q, kv, idx)
@@ -243,16 +290,30 @@ def sparse_mla_bwd(q, kv, idx, out, lse, dout, scale: float, config: dict | None
         dof = dof.contiguous()
     of = out.reshape(bsz * seqlen, n_heads, v_dim)
     lsef = lse.reshape(bsz * seqlen, n_heads).contiguous()
+    n_tok, topk = idxf.shape
     dq = torch.empty_like(qf)
-    dkv = torch.zeros(bsz * seqlen, c, dtype=torch.float32, device=q.device)
-    args = (
-        qf, kvf, idxf, of, dof, lsef, dq, dkv,
-        seqlen, n_heads, idxf.size(1), scale, scale * LOG2E,
-        qf.stride(0), qf.stride(1), kvf.stride(0), idxf.stride(0), of.stride(0), of.stride(1),
-        dof.stride(0), dof.stride(1), dq.stride(0), dq.stride(1),
-    )
+    dkv = torch.zeros(n_tok, c, dtype=torch.float32, device=q.device)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, SCRATCH_BYTES // (2 * topk * n_heads * q.element_size()))
+    chunk = min(n_tok, chunk_tokens)
+    ds = q.new_empty(chunk, topk, n_heads)
+    ps = q.new_empty(chunk, topk, n_heads)
     consts = {"D_V": v_dim, "D_R": c - v_dim, "BLOCK_H": _block_h(n_heads)}
-    _launch("bwd", _bwd_kernel, (2 * bsz * seqlen,), args, consts, config)
+    for tok0 in range(0, n_tok, chunk):
+        n = min(chunk, n_tok - tok0)
+        args = (
+            qf, kvf, idxf, of, dof, lsef, dq, ds, ps,
+            tok0, seqlen, n_heads, topk, scale, scale * LOG2E,
+            qf.stride(0), qf.stride(1), kvf.stride(0), idxf.stride(0), of.stride(0), of.stride(1),
+            dof.stride(0), dof.stride(1), dq.stride(0), dq.stride(1),
+        )
+        _launch("bwd", _bwd_dq_kernel, (n,), args, consts, config)
+        args = (
+            qf, dof, idxf, ds, ps, dkv,
+            tok0, seqlen, n_heads, topk,
+            qf.stride(0), qf.stride(1), idxf.stride(0), dof.stride(0), dof.stride(1),
+        )
+        _launch("dkv", _bwd_dkv_kernel, (n,), args, consts, dkv_config)
     return dq.view(q.shape), dkv.view(kv.shape).to(kv.dtype)
 
 
