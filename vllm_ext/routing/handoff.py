@@ -148,16 +148,11 @@ class RowsSegment:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            if size < _HEADER_BYTES:
-                raise ValueError(f"routing segment {name} is truncated ({size} bytes)")
+            start, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(fd)
-        magic, start, capacity, layers, top_k, itemsize = _HEADER.unpack_from(mm)
-        if magic != _MAGIC or itemsize not in (1, 2) or size != cls._size(capacity, layers, top_k, itemsize):
-            mm.close()
-            raise ValueError(f"routing segment {name} is not a moerl rows segment of the expected size")
-        return cls(name, mm, start, capacity, layers, top_k, _dtype_of(itemsize))
+        return cls(name, mm, start, capacity, layers, top_k, dtype)
 
     def close(self) -> None:
         # the numpy views pin the buffer: drop them before unmapping
@@ -178,29 +173,43 @@ def unlink(name: str) -> None:
         pass
 
 
-def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
-    """API-server side: the finished request's rows ``[start, end)`` (a copy), then unlink.
+def _parse_header(name: str, head: bytes, size: int) -> tuple[int, int, int, int, np.dtype]:
+    if len(head) < _HEADER.size:
+        raise ValueError(f"routing segment {name} is truncated ({size} bytes)")
+    magic, start, capacity, layers, top_k, itemsize = _HEADER.unpack(head)
+    if magic != _MAGIC or itemsize not in (1, 2) or size != RowsSegment._size(capacity, layers, top_k, itemsize):
+        raise ValueError(f"routing segment {name} is not a moerl rows segment of the expected size")
+    return start, capacity, layers, top_k, _dtype_of(itemsize)
 
-    Raises MissingRowsError when the segment is gone or a row was never written."""
+
+def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
+    """API-server side: the finished request's rows ``[start, end)``, then unlink.
+
+    Reads with pread (no mapping: cheaper for one read). Raises
+    MissingRowsError when the segment is gone or a row was never written."""
     name = segment_name(token, req_id)
     try:
-        seg = RowsSegment.open(name)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
         raise MissingRowsError(f"request {req_id}: no routing rows were handed over ({name} does not exist: "
                                f"the worker could not create it (see its log), or it was reaped "
                                f"{GRACE_S:.0f}s after the request finished)") from None
     try:
-        start = seg.start
-        if not start <= end <= seg.capacity:
-            raise MissingRowsError(f"request {req_id}: rows [{start}, {end}) asked of a segment of {seg.capacity}")
-        missing = np.flatnonzero(seg.written[start:end] == 0)
+        size = os.fstat(fd).st_size
+        start, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
+        if not start <= end <= capacity:
+            raise MissingRowsError(f"request {req_id}: rows [{start}, {end}) asked of a segment of {capacity}")
+        n, row_bytes = end - start, layers * top_k * dtype.itemsize
+        written = np.frombuffer(os.pread(fd, n, _HEADER_BYTES + start), np.uint8)
+        missing = np.flatnonzero(written == 0)
         if missing.size:
             raise MissingRowsError(f"request {req_id}: no routing rows for position {start + int(missing[0])} "
                                    f"(of [{start}, {end}))")
-        return start, seg.rows[start:end].copy()
+        body = os.pread(fd, n * row_bytes, _HEADER_BYTES + capacity + start * row_bytes)
+        return start, np.frombuffer(body, dtype).reshape(n, layers, top_k)
     finally:
-        seg.close()
-        seg.unlink()
+        os.close(fd)
+        unlink(name)
 
 
 class SegmentReaper:

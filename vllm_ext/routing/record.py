@@ -614,6 +614,24 @@ def encode_record(rec: RoutingRecord) -> bytes:
     return payload + _CRC.pack(zlib.crc32(payload))
 
 
+def _distinct_rows(rows: np.ndarray) -> int:
+    """Number of distinct rows of [N, K]: exact when a row fits in 8 bytes, else
+    of a 64-bit hash of each row (a collision only under-counts, and the caller
+    uses this as a pre-check before an exact dictionary). A sort of uint64 keys
+    is ~5x faster than np.unique over void rows."""
+    b = np.ascontiguousarray(rows).view(np.uint8).reshape(rows.shape[0], -1)
+    width = -(-b.shape[1] // 8) * 8
+    if width != b.shape[1]:
+        b = np.concatenate([b, np.zeros((b.shape[0], width - b.shape[1]), np.uint8)], axis=1)
+    words = b.view("<u8")
+    keys = words[:, 0].copy()
+    for j in range(1, words.shape[1]):
+        keys *= np.uint64(0x9E3779B97F4A7C15)
+        keys ^= words[:, j]
+    keys.sort()
+    return 1 + int(np.count_nonzero(keys[1:] != keys[:-1])) if keys.size else 0
+
+
 def _encode_dict(ids: np.ndarray, e: int) -> bytes | None:
     """Per-layer dictionary: worthwhile only when rows repeat a lot."""
     t, l, k = ids.shape
@@ -622,10 +640,8 @@ def _encode_dict(ids: np.ndarray, e: int) -> bytes | None:
     # cheap pre-check on a sample of rows: a dictionary only pays when rows
     # repeat, and the full unique() below is the slowest step of encoding
     sample = ids[: min(t, 1024)].reshape(-1, k)
-    rb = k * ids.dtype.itemsize
-    keys = np.ascontiguousarray(sample).view(np.dtype((np.void, rb))).reshape(-1)
-    distinct = np.unique(keys).size
-    if distinct > 0.5 * keys.size or 8 * max(1, math.ceil(math.log2(max(distinct, 2)) / 8)) >= \
+    distinct = _distinct_rows(sample)
+    if distinct > 0.5 * sample.shape[0] or 8 * max(1, math.ceil(math.log2(max(distinct, 2)) / 8)) >= \
             _choose_layout(e, k).bits_per_row(k):
         return None
     # key each row by its bytes; unique per layer (layer index in the key)
