@@ -182,6 +182,11 @@ def serving_overhead(quick: bool) -> dict:
     cpu = {"on": [], "off": []}
 
     def run(base, mode=None):
+        # vLLM's engine and worker busy-poll their queues for 1 s after the last
+        # message (shm_broadcast busy_loop_s): let the server measured before go
+        # quiet, or its polling takes this run's core (the second run of a pair
+        # measured ~35% slower before this pause).
+        time.sleep(2.0)
         procs = server_procs(base)
         c0 = cpu_seconds(procs)
         t0 = time.perf_counter()
@@ -199,7 +204,7 @@ def serving_overhead(quick: bool) -> dict:
     # from anything else on the machine hits both sides alike.
     from vllm_ext.routing.record import decode_record_b64
 
-    rounds = 3 if quick else 9
+    rounds = 3 if quick else 15
     rates = {"on": [], "off": []}
     # Both servers on one core, this client on the others: the client's HTTP and decoding never
     # compete with the server being measured (vLLM's automatic binding would put both servers'
