@@ -95,15 +95,11 @@ def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, KV, IDX, O, LSE,
-    seqlen, n_heads, topk, qk_scale,  # qk_scale = softmax scale * log2(e)
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh,
-    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)  # flat query token b * seqlen + pos
+def _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
+                D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Position, first kv row of its sequence, offsets, head mask and the query tile of token `tok`."""
     pos = tok % seqlen
-    row0 = tok - pos  # first kv row of this batch element
+    row0 = tok - pos
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, D_V)
     offs_r = tl.arange(0, D_R)
@@ -111,19 +107,42 @@ def _fwd_kernel(
     q_ptr = Q + tok * stride_qt + offs_h[:, None] * stride_qh
     q_v = tl.load(q_ptr + offs_v[None, :], mask=hmask[:, None], other=0.0)
     q_r = tl.load(q_ptr + D_V + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    return pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r
+
+
+@triton.jit
+def _selected_block(q_v, q_r, KV, IDX, tok, pos, row0, n0, topk, stride_it, stride_kvt,
+                    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Gather the token's selected rows n0..n0+BLOCK_N (future or padding ones masked, never
+    loaded) and their raw scores against every head: (offs_n, valid, k_v, k_r, q k^T)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kidx = tl.load(IDX + tok * stride_it + offs_n, mask=offs_n < topk, other=0).to(tl.int64)
+    valid = (offs_n < topk) & (kidx <= pos) & (kidx >= 0)
+    k_ptr = KV + (row0 + kidx)[:, None] * stride_kvt
+    k_v = tl.load(k_ptr + tl.arange(0, D_V)[None, :], mask=valid[:, None], other=0.0)
+    k_r = tl.load(k_ptr + D_V + tl.arange(0, D_R)[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q_v, tl.trans(k_v))
+    s = tl.dot(q_r, tl.trans(k_r), s)
+    return offs_n, valid, k_v, k_r, s
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, KV, IDX, O, LSE,
+    seqlen, n_heads, topk, qk_scale,  # qk_scale = softmax scale * log2(e)
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)  # flat query token b * seqlen + pos
+    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
+                                                                     D_V, D_R, BLOCK_H)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kidx = tl.load(IDX + tok * stride_it + offs_n, mask=offs_n < topk, other=0).to(tl.int64)
-        valid = (offs_n < topk) & (kidx <= pos) & (kidx >= 0)
-        k_ptr = KV + (row0 + kidx)[:, None] * stride_kvt
-        k_v = tl.load(k_ptr + offs_v[None, :], mask=valid[:, None], other=0.0)
-        k_r = tl.load(k_ptr + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_v, tl.trans(k_v))
-        s = tl.dot(q_r, tl.trans(k_r), s)
+        offs_n, valid, k_v, k_r, s = _selected_block(q_v, q_r, KV, IDX, tok, pos, row0, n0, topk, stride_it,
+                                                     stride_kvt, D_V, D_R, BLOCK_N)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet
@@ -155,15 +174,8 @@ def _bwd_dq_kernel(
     # (in the input dtype, as they enter the matmuls) to the scratch [chunk, topk, heads].
     loc = tl.program_id(0).to(tl.int64)
     tok = tok0 + loc
-    pos = tok % seqlen
-    row0 = tok - pos
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, D_V)
-    offs_r = tl.arange(0, D_R)
-    hmask = offs_h < n_heads
-    q_ptr = Q + tok * stride_qt + offs_h[:, None] * stride_qh
-    q_v = tl.load(q_ptr + offs_v[None, :], mask=hmask[:, None], other=0.0)
-    q_r = tl.load(q_ptr + D_V + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
+                                                                     D_V, D_R, BLOCK_H)
     do = tl.load(DO + tok * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=hmask[:, None], other=0.0)
     o = tl.load(O + tok * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :], mask=hmask[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), fp32
@@ -175,14 +187,8 @@ def _bwd_dq_kernel(
     dq_v = tl.zeros([BLOCK_H, D_V], tl.float32)
     dq_r = tl.zeros([BLOCK_H, D_R], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kidx = tl.load(IDX + tok * stride_it + offs_n, mask=offs_n < topk, other=0).to(tl.int64)
-        valid = (offs_n < topk) & (kidx <= pos) & (kidx >= 0)
-        k_ptr = KV + (row0 + kidx)[:, None] * stride_kvt
-        k_v = tl.load(k_ptr + offs_v[None, :], mask=valid[:, None], other=0.0)
-        k_r = tl.load(k_ptr + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_v, tl.trans(k_v))
-        s = tl.dot(q_r, tl.trans(k_r), s)
+        offs_n, valid, k_v, k_r, s = _selected_block(q_v, q_r, KV, IDX, tok, pos, row0, n0, topk, stride_it,
+                                                     stride_kvt, D_V, D_R, BLOCK_N)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(valid[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(k_v))
