@@ -245,4 +245,3 @@ class LeanTokenDispatcher(AllToAllTokenDispatcher):
         out_TD = _CombineRows.apply(routed_output_RD, metadata.scores_TK, metadata.src_R,
                                     metadata.slot_TK, metadata.score_R)
         return out_TD.to(x_TD.dtype)
-

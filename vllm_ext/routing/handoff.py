@@ -109,9 +109,8 @@ def _dtype_of(itemsize: int) -> np.dtype:
 class RowsSegment:
     """One request's rows and written flags, mapped from /dev/shm."""
 
-    def __init__(self, name: str, mm: mmap.mmap, start: int, capacity: int, layers: int, top_k: int,
-                 dtype: np.dtype) -> None:
-        self.name, self.start, self.capacity = name, start, capacity
+    def __init__(self, name: str, mm: mmap.mmap, capacity: int, layers: int, top_k: int, dtype: np.dtype) -> None:
+        self.name, self.capacity = name, capacity
         self._mm = mm
         self.written = np.frombuffer(mm, np.uint8, capacity, _HEADER_BYTES)
         self.rows = np.frombuffer(mm, dtype, capacity * layers * top_k,
@@ -141,18 +140,19 @@ class RowsSegment:
         finally:
             os.close(fd)
         mm[:_HEADER.size] = _HEADER.pack(_MAGIC, start, capacity, layers, top_k, dtype.itemsize)
-        return cls(name, mm, start, capacity, layers, top_k, dtype)
+        return cls(name, mm, capacity, layers, top_k, dtype)
 
     @classmethod
-    def open(cls, name: str, writable: bool = False) -> RowsSegment:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
+    def open(cls, name: str) -> RowsSegment:
+        """Map an existing segment again, to go on writing (a request resumed after preemption)."""
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            start, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            _, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
+            mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        return cls(name, mm, start, capacity, layers, top_k, dtype)
+        return cls(name, mm, capacity, layers, top_k, dtype)
 
     def close(self) -> None:
         # the numpy views pin the buffer: drop them before unmapping
@@ -161,9 +161,6 @@ class RowsSegment:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes with it
             pass
-
-    def unlink(self) -> None:
-        unlink(self.name)
 
 
 def unlink(name: str) -> None:

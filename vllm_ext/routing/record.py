@@ -41,6 +41,7 @@ import functools
 import math
 import struct
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -489,14 +490,19 @@ def _take_rows(table: np.ndarray, idx: np.ndarray) -> np.ndarray:
         raise ValueError(f"hi index out of range (table has {table.shape[0]} entries): payload is corrupt") from exc
 
 
-_COLUMNS: dict[int, tuple[np.ndarray, np.dtype, list[tuple[str, np.ndarray]]]] = {}
+# Keyed by the table's id, holding the table itself (so the id stays its own); bounded like
+# the two table caches together (_hi_table, _joint_table), so evicted tables are let go.
+_COLUMNS: OrderedDict[int, tuple[np.ndarray, np.dtype, list[tuple[str, np.ndarray]]]] = OrderedDict()
+_MAX_COLUMNS = 64
 
 
 def _table_columns(table: np.ndarray) -> tuple[np.dtype, list[tuple[str, np.ndarray]]]:
     """A table's rows as a packed record of power-of-two integer fields, and each
-    field as a contiguous column (built once per table; tables are cached)."""
+    field as a contiguous column (built once per cached table)."""
     hit = _COLUMNS.get(id(table))
-    if hit is None or hit[0] is not table:
+    if hit is not None and hit[0] is table:
+        _COLUMNS.move_to_end(id(table))
+    else:
         rowbytes = table.shape[1] * table.itemsize
         fields, off = [], 0
         for w in (8, 4, 2, 1):
@@ -507,6 +513,8 @@ def _table_columns(table: np.ndarray) -> tuple[np.dtype, list[tuple[str, np.ndar
                           "offsets": [f[2] for f in fields], "itemsize": rowbytes})
         rec = np.ascontiguousarray(table).view(dtype).reshape(-1)
         hit = _COLUMNS[id(table)] = (table, dtype, [(name, np.ascontiguousarray(rec[name])) for name, _, _ in fields])
+        if len(_COLUMNS) > _MAX_COLUMNS:
+            _COLUMNS.popitem(last=False)
     return hit[1], hit[2]
 
 

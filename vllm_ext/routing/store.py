@@ -77,7 +77,7 @@ class RoutingStore:
             return True
         name = segment_name(self.token, req_id)
         try:
-            seg = RowsSegment.open(name, writable=True)
+            seg = RowsSegment.open(name)
         except FileNotFoundError:
             return False
         self.reaper.resumed(name)

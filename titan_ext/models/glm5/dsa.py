@@ -26,6 +26,7 @@ In fp32 on small sequences both give the same selection and agree to rounding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,17 +118,14 @@ class LightningIndexer(Module):
         return index_scores.topk(topk, dim=-1).indices
 
 
-_TRITON: list = []  # [sparse_mla_triton module, or None when Triton does not import]
-
-
+@functools.cache
 def _triton_kernels():
-    if not _TRITON:
-        try:
-            from . import sparse_mla_triton
-        except ImportError:
-            sparse_mla_triton = None
-        _TRITON.append(sparse_mla_triton)
-    return _TRITON[0]
+    """The sparse_mla_triton module, or None when Triton does not import."""
+    try:
+        from . import sparse_mla_triton
+    except ImportError:
+        return None
+    return sparse_mla_triton
 
 
 def sparse_attention_impl(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> Literal["triton", "torch"]:
