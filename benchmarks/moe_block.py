@@ -6,7 +6,9 @@ EP=8 (48 / 32 experts), built by titan_ext's builder with the lean local dispatc
 (`titan_ext.models.experts.LeanTokenDispatcher`). Measured in one run, on the same routed
 rows: the grouped-GEMM expert FFN alone (`torch._grouped_mm` SwiGLU fwd+bwd, the roofline),
 the block in bf16 (eager and compiled), with and without router replay, TorchTitan's stock
-dispatcher for comparison, and the block in fp8 (torchao: rowwise fp8 grouped GEMMs for the
+dispatcher for comparison, and the block in fp8: titan_ext's fp8 experts
+(`titan_ext.models.fp8_experts.to_fp8`: every routed and shared expert GEMM in fp8 with
+row-wise scales, eager), and for comparison torchao's (rowwise fp8 grouped GEMMs for the
 experts, tensorwise Float8Linear for the shared expert; torch.compile). FLOPs count every
 matmul the block does (gate, routed experts, shared expert), 3x the forward for fwd+bwd.
 fp8 numerics: loss mean(out^2) and every gradient against bf16 on the same inputs/weights.
@@ -44,6 +46,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  #
 
 from titan_ext.models import get_arch  # noqa: E402
 from titan_ext.models.builder import build_model_config  # noqa: E402
+from titan_ext.models.fp8_experts import drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8  # noqa: E402
 from titan_ext.replay import replay_routing  # noqa: E402
 
 LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}  # 384 / 8 and 256 / 8
@@ -112,7 +115,7 @@ def block_flops(arch, tokens: int) -> dict:
 
 
 
-def to_fp8(moe):
+def to_torchao_fp8(moe):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization.quant_api import quantize_
@@ -133,16 +136,14 @@ def compile_block(moe):
 
 
 def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool):
-    """A step running the expert SwiGLU FFN alone (fwd+bwd) on the routed rows `counts_E` describe."""
+    """A step running the expert SwiGLU FFN alone (fwd+bwd) on the routed rows `counts_E` describe:
+    bf16 `torch._grouped_mm`, or (fp8) titan_ext's fp8 expert FFN."""
     d, f = arch.dim, arch.moe_hidden_dim
     e = counts_E.numel()
-    if fp8:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as gmm8
-
+    gmm = lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+    if fp8:  # groups padded to 16 rows, as the fp8 block pads them
         counts_E = (counts_E + 15) // 16 * 16
-        gmm = lambda a, b, offs: gmm8(a, b, offs, torch.bfloat16, torch.float8_e4m3fn, False)  # noqa: E731
-    else:
-        gmm = lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+    counts = counts_E.tolist()
     rows = int(counts_E.sum())
     offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -155,6 +156,9 @@ def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool):
     def step():
         for t in (x, w1, w2, w3):
             t.grad = None
+        if fp8:  # titan_ext's fp8 FFN, weights quantised every step
+            fp8_swiglu(x, w1, w3, w2, counts, quantise_weights(w1, w3, w2)).backward(gy)
+            return
         h = F.silu(gmm(x, w1.transpose(-2, -1), offs)) * gmm(x, w3.transpose(-2, -1), offs)
         gmm(h, w2.transpose(-2, -1), offs).backward(gy)
 
@@ -163,7 +167,7 @@ def grouped_ffn_roofline(arch, counts_E, dev, fp8: bool):
 
 def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: int, fp8: bool = True):
     bf16, arch = build_moe(model, dev)
-    fp8_model = None
+    fp8_model = torchao_model = None
     for tokens in tokens_list:
         fl = block_flops(arch, tokens)
         g = torch.Generator(device=dev).manual_seed(tokens)
@@ -182,12 +186,14 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
             try:
                 roof8_ms = timed(grouped_ffn_roofline(arch, counts, dev, fp8=True), iters, 2)
                 roof8 = fl["routed"] / roof8_ms / 1e9
-                log(f"{model} T={tokens} grouped FFN fp8 (torchao rowwise): {roof8_ms:.2f} ms {roof8:.1f} TFLOP/s")
+                log(f"{model} T={tokens} expert FFN fp8 (titan_ext): {roof8_ms:.2f} ms {roof8:.1f} TFLOP/s")
             except Exception:
                 log("fp8 grouped FFN failed:\n" + traceback.format_exc(limit=3))
 
-        def run_block(m, replay):
+        def run_block(m, replay, requantise=False):
             def step():
+                if requantise:  # as after an optimizer step: the fp8 weights are made again
+                    drop_cached_weights(m)
                 zero_grads(m)
                 x.grad = None
                 with replay_routing(m, replay_ids) if replay else nullcontext():
@@ -222,22 +228,38 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
             del stock
         torch.cuda.empty_cache()
 
-        if fp8 and time.time() < deadline:
+        if fp8:
             try:
                 if fp8_model is None:
-                    fp8_model, _ = build_moe(model, dev, pad_multiple=16)
+                    fp8_model, _ = build_moe(model, dev)
                     fp8_model.load_state_dict(bf16.state_dict())
                     to_fp8(fp8_model)
-                    compile_block(fp8_model)
                     num = fp8_numerics(bf16, fp8_model, x)
                     res.setdefault("fp8_numerics", {})[model] = num
                     log(f"{model} fp8 vs bf16 numerics: {json.dumps(num)}")
-                for replay, ms in zip((False, True), timed_interleaved(
-                        [run_block(fp8_model, False), run_block(fp8_model, True)], n_iters, 3)):
-                    add("fp8", replay, ms, "compiled")
+                # the bf16 block again, interleaved with fp8, for the speedup under the same clocks
+                bf_ms, *fp_ms = timed_interleaved(
+                    [run_block(bf16, False), run_block(fp8_model, False, requantise=True),
+                     run_block(fp8_model, True, requantise=True), run_block(fp8_model, False)], n_iters, 2)
+                for (replay, variant), ms in zip(((False, "eager"), (True, "eager"), (False, "eager, weights cached")),
+                                                 fp_ms):
+                    add("fp8", replay, ms, variant, bf16_ms_same_rounds=round(bf_ms, 3),
+                        speedup_vs_bf16=round(bf_ms / ms, 3))
             except Exception:
                 log("fp8 block failed:\n" + traceback.format_exc())
                 res["errors"].append(f"{model} T={tokens} fp8: {traceback.format_exc(limit=2)}")
+        torch.cuda.empty_cache()
+        if fp8 and time.time() < deadline:
+            try:
+                if torchao_model is None:
+                    torchao_model, _ = build_moe(model, dev, pad_multiple=16)
+                    torchao_model.load_state_dict(bf16.state_dict())
+                    to_torchao_fp8(torchao_model)
+                    compile_block(torchao_model)
+                add("fp8", False, timed(run_block(torchao_model, False), n_iters, 3), "torchao, compiled")
+            except Exception:
+                log("torchao fp8 block failed:\n" + traceback.format_exc())
+                res["errors"].append(f"{model} T={tokens} torchao fp8: {traceback.format_exc(limit=2)}")
         torch.cuda.empty_cache()
         if time.time() < deadline:
             try:
@@ -252,8 +274,136 @@ def moe_cases(model: str, tokens_list, dev, res: dict, deadline: float, iters: i
                 res["errors"].append(f"{model} T={tokens} bf16 compiled: {traceback.format_exc(limit=2)}")
         del x, gy
         torch.cuda.empty_cache()
-    del bf16, fp8_model
+    del bf16, fp8_model, torchao_model
     torch.cuda.empty_cache()
+
+
+def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
+    """Can an fp8 routed-expert FFN reach 1.5x of bf16? Each GEMM of the SwiGLU FFN, fwd/dgrad/wgrad.
+
+    bf16 `torch._grouped_mm` against fp8 `torch._scaled_grouped_mm` on pre-quantised operands
+    (row-wise scales; per-expert column scales for the 2-D x 2-D weight gradient), on
+    balanced routed rows (each expert's group a multiple of 128); w1 and w3 as one [2F, D]
+    GEMM; and the same GEMMs as one dense `torch._scaled_mm` per expert. Also the quantisation passes a step needs (titan_ext.models.fp8_quant), the shared
+    expert's GEMM (`torch._scaled_mm` row-wise), and each fp8 GEMM's error against bf16 (which
+    checks the scale layouts).
+    """
+    from titan_ext.models.fp8_quant import quant_cols_t, quant_rows
+
+    arch = get_arch(model, "full")
+    d, f, e = arch.dim, arch.moe_hidden_dim, LOCAL_EXPERTS[model]
+    per = (tokens * arch.top_k // e + 127) // 128 * 128  # aligned groups: quant_cols_t's layout = the grouped one
+    rows = per * e
+    ends = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * per
+    counts = [per] * e
+    g = torch.Generator(device=dev).manual_seed(2)
+    rnd = lambda *s, std=1.0: (torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * std)  # noqa: E731
+    x, dy, h, g13 = rnd(rows, d), rnd(rows, d), rnd(rows, f), rnd(rows, 2 * f)
+    w13, w2 = rnd(e, 2 * f, d, std=0.02), rnd(e, d, f, std=0.02)
+    gmm, sgmm = torch._grouped_mm, torch._scaled_grouped_mm
+    bf = {
+        "fwd13": lambda: gmm(x, w13.transpose(-2, -1), offs=ends),
+        "fwd2": lambda: gmm(h, w2.transpose(-2, -1), offs=ends),
+        "dgrad2": lambda: gmm(dy, w2, offs=ends),
+        "dgrad13": lambda: gmm(g13, w13, offs=ends),
+        "wgrad2": lambda: gmm(dy.t(), h, offs=ends),
+        "wgrad13": lambda: gmm(g13.t(), x, offs=ends),
+    }
+    quant = {  # every quantisation pass one fp8 step makes
+        "rows x": lambda: quant_rows(x), "cols x": lambda: quant_cols_t(x, counts),
+        "rows dy": lambda: quant_rows(dy), "cols dy": lambda: quant_cols_t(dy, counts),
+        "rows h": lambda: quant_rows(h), "cols h": lambda: quant_cols_t(h, counts),
+        "rows g13": lambda: quant_rows(g13), "cols g13": lambda: quant_cols_t(g13, counts),
+        "rows w13": lambda: quant_rows(w13.view(-1, d)), "rows w2": lambda: quant_rows(w2.view(-1, f)),
+        "cols w13": lambda: quant_cols_t(w13.view(-1, d), [2 * f] * e, stacked=True),
+        "cols w2": lambda: quant_cols_t(w2.view(-1, f), [d] * e, stacked=True),
+    }
+    q = {k: fn() for k, fn in quant.items()}
+    x8, sx = q["rows x"]
+    w13_8, sw13 = q["rows w13"]
+    w2_8, sw2 = q["rows w2"]
+    w2t8, sw2t = q["cols w2"]
+    w13t8, sw13t = q["cols w13"]
+    fp = {
+        "fwd13": lambda: sgmm(x8, w13_8.view(e, 2 * f, d).transpose(-2, -1), sx, sw13.view(e, 2 * f), offs=ends,
+                              out_dtype=torch.bfloat16),
+        "fwd2": lambda: sgmm(q["rows h"][0], w2_8.view(e, d, f).transpose(-2, -1), q["rows h"][1], sw2.view(e, d),
+                             offs=ends, out_dtype=torch.bfloat16),
+        "dgrad2": lambda: sgmm(q["rows dy"][0], w2t8.transpose(-2, -1), q["rows dy"][1], sw2t, offs=ends,
+                               out_dtype=torch.bfloat16),
+        "dgrad13": lambda: sgmm(q["rows g13"][0], w13t8.transpose(-2, -1), q["rows g13"][1], sw13t, offs=ends,
+                                out_dtype=torch.bfloat16),
+        "wgrad2": lambda: sgmm(q["cols dy"][0], q["cols h"][0].t(), q["cols dy"][1].reshape(-1),
+                               q["cols h"][1].reshape(-1), offs=ends, out_dtype=torch.bfloat16),
+        "wgrad13": lambda: sgmm(q["cols g13"][0], q["cols x"][0].t(), q["cols g13"][1].reshape(-1),
+                                q["cols x"][1].reshape(-1), offs=ends, out_dtype=torch.bfloat16),
+    }
+    # the same GEMMs as one dense torch._scaled_mm per expert (host-side group bounds)
+    b = [(i * per, (i + 1) * per) for i in range(e)]
+    w13t8, w2t8 = w13t8.view(e, d, 2 * f), w2t8.view(e, f, d)
+    xt8, sxt = q["cols x"]
+    dyt8, sdyt = q["cols dy"]
+    ht8, sht = q["cols h"]
+    gt8, sgt = q["cols g13"]
+
+    def loop(a, sa, bm, sb, n, wgrad=False):
+        """Per expert: a [rows, K] (or, wgrad, a^T [M, rows]) with scales, bm(i) = [N, K] stored rows."""
+        out = torch.empty((e, a.size(0), n) if wgrad else (rows, n), dtype=torch.bfloat16, device=dev)
+        for i, (s0, s1) in enumerate(b):
+            if wgrad:
+                torch._scaled_mm(a[:, s0:s1], bm[:, s0:s1].t(), sa[i][:, None], sb[i][None, :],
+                                 out_dtype=torch.bfloat16, out=out[i])
+            else:
+                torch._scaled_mm(a[s0:s1], bm[i].t(), sa[s0:s1, None], sb[i][None, :],
+                                 out_dtype=torch.bfloat16, out=out[s0:s1])
+        return out
+
+    per_expert = {
+        "fwd13": lambda: loop(x8, sx, w13_8.view(e, 2 * f, d), sw13.view(e, 2 * f), 2 * f),
+        "fwd2": lambda: loop(q["rows h"][0], q["rows h"][1], w2_8.view(e, d, f), sw2.view(e, d), d),
+        "dgrad2": lambda: loop(q["rows dy"][0], q["rows dy"][1], w2t8, sw2t, f),
+        "dgrad13": lambda: loop(q["rows g13"][0], q["rows g13"][1], w13t8, sw13t, d),
+        "wgrad2": lambda: loop(dyt8, sdyt, ht8, sht, f, wgrad=True),
+        "wgrad13": lambda: loop(gt8, sgt, xt8, sxt, d, wgrad=True),
+    }
+    out = {"rows": rows, "gemm": {}, "quant_ms": {}}
+    for name in bf:
+        entry = {"flops": None}
+        try:
+            ref = bf[name]().float()
+            for key, fn in (("rel_err", fp[name]), ("per_expert_rel_err", per_expert[name])):
+                entry[key] = round(((fn().float() - ref).norm() / ref.norm()).item(), 4)
+            del ref
+            ms_b, ms_f, ms_p = timed_interleaved([bf[name], fp[name], per_expert[name]], iters, 2)
+            fl = 2 * rows * (2 * f if "13" in name else f) * d
+            entry.update(flops=fl, bf16_ms=round(ms_b, 3), fp8_ms=round(ms_f, 3), per_expert_fp8_ms=round(ms_p, 3),
+                         bf16_tflops=round(fl / ms_b / 1e9, 1), fp8_tflops=round(fl / ms_f / 1e9, 1),
+                         per_expert_fp8_tflops=round(fl / ms_p / 1e9, 1))
+        except Exception:
+            entry["error"] = traceback.format_exc(limit=2)
+        out["gemm"][name] = entry
+        log(f"probe {model} T={tokens} {name}: {entry}")
+    for name, fn in quant.items():
+        out["quant_ms"][name] = round(timed(fn, iters, 1), 3)
+    log(f"probe {model} T={tokens} quant ms: {out['quant_ms']}")
+    # the shared expert's up-projection (w1|w3 as one [2F, D] weight) on the block's tokens
+    xs, ws = rnd(tokens, d), rnd(2 * f, d, std=0.02)
+    xs8, sxs = quant_rows(xs)
+    ws8, sws = quant_rows(ws)
+    ms_b, ms_f = timed_interleaved([lambda: xs @ ws.t(), lambda: torch._scaled_mm(
+        xs8, ws8.t(), sxs[:, None], sws[None, :], out_dtype=torch.bfloat16)], iters, 2)
+    fl = 2 * tokens * 2 * f * d
+    out["shared_fwd13"] = {"bf16_tflops": round(fl / ms_b / 1e9, 1), "fp8_tflops": round(fl / ms_f / 1e9, 1)}
+    ok = [v for v in out["gemm"].values() if "fp8_ms" in v]
+    if len(ok) == len(bf):
+        gb, gf, gp = (sum(v[k] for v in ok) for k in ("bf16_ms", "fp8_ms", "per_expert_fp8_ms"))
+        qms = sum(out["quant_ms"].values())
+        out["routed_gemms"] = {"bf16_ms": round(gb, 2), "fp8_ms": round(gf, 2), "fp8_plus_quant_ms": round(gf + qms, 2),
+                               "speedup_gemms_only": round(gb / gf, 3), "speedup_with_quant": round(gb / (gf + qms), 3),
+                               "per_expert_fp8_ms": round(gp, 2), "per_expert_speedup_gemms_only": round(gb / gp, 3),
+                               "per_expert_speedup_with_quant": round(gb / (gp + qms), 3)}
+    log(f"probe {model} T={tokens}: {out.get('routed_gemms')} shared {out['shared_fwd13']}")
+    return out
 
 
 def fp8_numerics(bf16, fp8_model, x_full) -> dict:
@@ -386,6 +536,8 @@ def main():
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-dsa", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true", help="bf16 MoE cases only")
+    ap.add_argument("--fp8-probe", action="store_true",
+                    help="only time each routed-expert GEMM in bf16 vs fp8 and the quantisation passes (key fp8_probe)")
     args = ap.parse_args()
     OUT_PATH[0] = args.out
     dev = torch.device("cuda")
@@ -402,16 +554,22 @@ def main():
         "setup": {
             "local_experts": LOCAL_EXPERTS, "expert_dim": 2048, "top_k": 8, "shared_experts": 1,
             "dispatcher": "titan_ext LeanTokenDispatcher (EP=1 path)", "dtype": "bf16 params and activations",
-            "fp8": "torchao rowwise fp8 grouped GEMMs (Float8TrainingOpConfig) + tensorwise Float8Linear shared expert, "
-                   "torch.compile on routed_experts and shared_experts",
+            "fp8": "titan_ext.models.fp8_experts.to_fp8: routed + shared expert SwiGLU GEMMs (fwd, dgrad, wgrad) in "
+                   "fp8 e4m3 with row-wise scales, one torch._scaled_mm per expert, Triton quantisation kernels, "
+                   "eager; weights quantised every step unless the variant says 'weights cached'",
+            "fp8_torchao": "torchao rowwise fp8 grouped GEMMs (Float8TrainingOpConfig) + tensorwise Float8Linear "
+                           "shared expert, torch.compile on routed_experts and shared_experts",
             "replay": "ReplayRouter with recorded ids (5% of tokens differ from own top-k)",
             "roofline": "torch._grouped_mm SwiGLU expert FFN alone, fwd+bwd, same routed rows per expert",
             "flops": "gate + routed experts + shared expert matmuls, fwd+bwd = 3x fwd",
             "fp8_tolerance": {"loss_rel_diff": 0.01, "grad_rel_l2": 0.1},
+            "fp8_grouped_ffn_tflops": "titan_ext's fp8 expert FFN alone (fp8_swiglu, weights quantised every step), "
+                                      "fwd+bwd, same routed rows as the roofline",
         },
         "cases": [], "dsa": [], "errors": [],
         # expert parallel needs 2+ GPUs: benchmarks/moe_ep.py adds it to the same file
         "ep": _previous(args.out).get("ep"),
+        "fp8_probe": _previous(args.out).get("fp8_probe"),  # written by --fp8-probe
     }
     try:
         import torchao
@@ -420,6 +578,15 @@ def main():
     except Exception as e:  # noqa: BLE001
         res["torchao"] = f"unavailable: {e}"
     deadline = T0 + args.budget_s
+    if args.fp8_probe:
+        prev = _previous(args.out)
+        prev["fp8_probe"] = {"command": res["command"], "device": res["device"], "torch": res["torch"]}
+        for model in args.models:
+            for tokens in args.tokens:
+                prev["fp8_probe"][f"{model} T={tokens}"] = fp8_probe(model, tokens, dev, args.iters)
+                res = prev
+                write(res)
+        return
     if not args.skip_dsa:  # first: bounded, and needs no compilation
         dsa_cases(args.dsa_tokens, dev, res, max(2, args.iters // 2))
     if not args.skip_moe:
