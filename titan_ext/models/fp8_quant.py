@@ -11,8 +11,8 @@ one. Two layouts are needed:
   transposed so the contraction dimension is contiguous: both operands of an expert's weight
   gradient (contraction over its routed rows), and the transposed weights of the input
   gradient. Each group's block starts at a multiple of `COL_ALIGN` and is zero-padded to
-  one: on the H200 the per-expert weight-gradient GEMMs ran at 660-780 TFLOP/s on blocks at
-  16-row offsets and 1020-1270 on 256-aligned ones (benchmarks/moe_block.py --fp8-probe).
+  one: on the H200, Kimi-K2's per-expert weight-gradient GEMMs ran at 660-780 TFLOP/s on
+  blocks at 16-row offsets (a first probe) and 1200-1250 on 128-aligned ones (--fp8-probe).
 
 On CUDA each is one Triton pass (cols reads its input twice: amax, then quantise); without
 Triton (CPU) the same math runs in torch. Tests run both under Triton's interpreter.
