@@ -70,6 +70,29 @@ def test_prefix_cache_hit_filled_from_block_hashes(store):
     assert np.array_equal(out[:8], a[:8]) and np.array_equal(out[8:], b_tail)
 
 
+def test_one_step_of_several_requests_lands_at_each_requests_positions(store):
+    """A batched step: rows packed in runner order, prefill chunk + decodes; a request
+    whose rows do not fit is reported and skipped, a request never opened is skipped,
+    and the others' rows are all written."""
+    rng = np.random.default_rng(4)
+    s = store(lay=3, k=2, block_size=4)
+    s.open("x", 0, 12)
+    s.open("y", 0, 10)
+    s.open("z", 0, 2)
+    s.write("y", 0, rows(rng, 7, 3, 2))
+    step = rows(rng, 5 + 1 + 1 + 2, 3, 2)
+    errors = s.write_step([("x", 0, 5), ("y", 7, 1), ("gone", 3, 1), ("z", 1, 2)], step)
+    assert errors == ["request z: positions [1, 3) outside its capacity 2"]
+    _, out = read_rows(s.token, "x", 5)
+    assert np.array_equal(out, step[:5])
+    _, out = read_rows(s.token, "y", 8)
+    assert np.array_equal(out[7], step[5])
+    with pytest.raises(MissingRowsError, match="position 0"):
+        read_rows(s.token, "z", 2)  # nothing of z was written
+    with pytest.raises(ValueError, match="dtype"):
+        s.write_step([("x", 5, 1)], step[:1].astype(np.uint16))
+
+
 def test_missing_rows_raise_instead_of_gap(store):
     s = store()
     s.open("c", 0, 8)
@@ -134,7 +157,7 @@ def test_no_room_for_a_segment_is_a_clear_error(store, monkeypatch):
 def test_bad_writes_are_refused(store):
     s = store()
     s.open("e", 0, 4)
-    with pytest.raises(ValueError, match="beyond its capacity"):
+    with pytest.raises(ValueError, match=r"positions \[2, 5\) outside its capacity 4"):
         s.write("e", 2, np.zeros((3, 2, 3), np.uint8))
     with pytest.raises(ValueError, match="does not match"):
         s.write("e", 0, np.zeros((1, 3, 3), np.uint8))

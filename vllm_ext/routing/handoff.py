@@ -109,12 +109,18 @@ def _dtype_of(itemsize: int) -> np.dtype:
 class RowsSegment:
     """One request's rows and written flags, mapped from /dev/shm."""
 
+    __slots__ = ("name", "capacity", "mm", "flags_at", "rows_at", "row_bytes", "written", "rows")
+
     def __init__(self, name: str, mm: mmap.mmap, capacity: int, layers: int, top_k: int, dtype: np.dtype) -> None:
         self.name, self.capacity = name, capacity
-        self._mm = mm
-        self.written = np.frombuffer(mm, np.uint8, capacity, _HEADER_BYTES)
-        self.rows = np.frombuffer(mm, dtype, capacity * layers * top_k,
-                                  _HEADER_BYTES + capacity).reshape(capacity, layers, top_k)
+        self.mm = mm
+        # Byte layout, for the per-step writer (``RoutingStore.write_step``),
+        # which copies bytes into ``mm`` directly: cheaper than numpy indexing.
+        self.flags_at = _HEADER_BYTES
+        self.rows_at = _HEADER_BYTES + capacity
+        self.row_bytes = layers * top_k * dtype.itemsize
+        self.written = np.frombuffer(mm, np.uint8, capacity, self.flags_at)
+        self.rows = np.frombuffer(mm, dtype, capacity * layers * top_k, self.rows_at).reshape(capacity, layers, top_k)
 
     @staticmethod
     def _size(capacity: int, layers: int, top_k: int, itemsize: int) -> int:
@@ -158,7 +164,7 @@ class RowsSegment:
         # the numpy views pin the buffer: drop them before unmapping
         self.written = self.rows = None
         try:
-            self._mm.close()
+            self.mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes with it
             pass
 
