@@ -288,7 +288,7 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
     expert's GEMM (`torch._scaled_mm` row-wise), and each fp8 GEMM's error against bf16 (which
     checks the scale layouts).
     """
-    from titan_ext.models.fp8_quant import quant_cols_t, quant_rows
+    from titan_ext.models.fp8_quant import quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows
 
     arch = get_arch(model, "full")
     d, f, e = arch.dim, arch.moe_hidden_dim, LOCAL_EXPERTS[model]
@@ -298,7 +298,12 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
     counts = [per] * e
     g = torch.Generator(device=dev).manual_seed(2)
     rnd = lambda *s, std=1.0: (torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) * std)  # noqa: E731
-    x, dy, h, g13 = rnd(rows, d), rnd(rows, d), rnd(rows, f), rnd(rows, 2 * f)
+    # routed rows as the fp8 block makes them: x[src] and s * g[src] for tokens x and output gradient g
+    src = torch.randint(0, tokens, (e, per), device=dev, generator=g).sort(dim=1).values.reshape(-1)
+    mul = torch.rand(rows, device=dev, generator=g)
+    x_t, g_t = rnd(tokens, d), rnd(tokens, d)
+    x, dy = x_t[src], (g_t[src].float() * mul[:, None]).to(torch.bfloat16)
+    h, g13, y = rnd(rows, f), rnd(rows, 2 * f), rnd(rows, d)
     w13, w2 = rnd(e, 2 * f, d, std=0.02), rnd(e, d, f, std=0.02)
     gmm, sgmm = torch._grouped_mm, torch._scaled_grouped_mm
     bf = {
@@ -309,29 +314,40 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
         "wgrad2": lambda: gmm(dy.t(), h, offs=ends),
         "wgrad13": lambda: gmm(g13.t(), x, offs=ends),
     }
-    quant = {  # every quantisation pass one fp8 step makes
-        "rows x": lambda: quant_rows(x), "cols x": lambda: quant_cols_t(x, counts),
-        "rows dy": lambda: quant_rows(dy), "cols dy": lambda: quant_cols_t(dy, counts),
-        "rows h": lambda: quant_rows(h), "cols h": lambda: quant_cols_t(h, counts),
-        "rows g13": lambda: quant_rows(g13), "cols g13": lambda: quant_cols_t(g13, counts),
+    r = {"x": quant_rows(x_t, src), "dy": quant_rows(g_t, src, mul), "h": quant_rows(h), "g13": quant_rows(g13),
+         "w13": quant_rows(w13.view(-1, d)), "w2": quant_rows(w2.view(-1, f)), "swiglu": swiglu_quant_rows(g13)}
+    quant = {  # every quantisation pass one routed fp8 step makes (g13 standing in for dg13)
+        "rows x (gathered)": lambda: quant_rows(x_t, src),
+        "cols x (gathered)": lambda: quant_cols_t(x_t, counts, r["x"].colmax, src_R=src),
+        "rows h (swiglu)": lambda: swiglu_quant_rows(g13),
+        "rows dy (gathered, scaled, score dot)": lambda: quant_rows(g_t, src, mul, dot_with_RC=y),
+        "cols dy (gathered, scaled)": lambda: quant_cols_t(g_t, counts, r["dy"].colmax, src_R=src, mul_R=mul),
+        "cols h (swiglu)": lambda: quant_cols_t(g13, counts, r["swiglu"].colmax, swiglu=True),
+        "rows dg13 (swiglu bwd)": lambda: swiglu_bwd_quant_rows(h, g13),
+        "cols dg13": lambda: quant_cols_t(g13, counts, r["g13"].colmax),
         "rows w13": lambda: quant_rows(w13.view(-1, d)), "rows w2": lambda: quant_rows(w2.view(-1, f)),
-        "cols w13": lambda: quant_cols_t(w13.view(-1, d), [2 * f] * e, stacked=True),
-        "cols w2": lambda: quant_cols_t(w2.view(-1, f), [d] * e, stacked=True),
+        "cols w13": lambda: quant_cols_t(w13.view(-1, d), [2 * f] * e, r["w13"].colmax, stacked=True),
+        "cols w2": lambda: quant_cols_t(w2.view(-1, f), [d] * e, r["w2"].colmax, stacked=True),
     }
-    q = {k: fn() for k, fn in quant.items()}
-    x8, sx = q["rows x"]
-    w13_8, sw13 = q["rows w13"]
-    w2_8, sw2 = q["rows w2"]
+    q = {name: (t.q, t.scale) for name, t in r.items()}
+    q["cols x"] = quant["cols x (gathered)"]()
+    q["cols dy"] = quant["cols dy (gathered, scaled)"]()
+    q["cols h"] = quant_cols_t(h, counts, r["h"].colmax)
+    q["cols g13"] = quant["cols dg13"]()
+    q["cols w13"], q["cols w2"] = quant["cols w13"](), quant["cols w2"]()
+    x8, sx = q["x"]
+    w13_8, sw13 = q["w13"]
+    w2_8, sw2 = q["w2"]
     w2t8, sw2t = q["cols w2"]
     w13t8, sw13t = q["cols w13"]
     fp = {
         "fwd13": lambda: sgmm(x8, w13_8.view(e, 2 * f, d).transpose(-2, -1), sx, sw13.view(e, 2 * f), offs=ends,
                               out_dtype=torch.bfloat16),
-        "fwd2": lambda: sgmm(q["rows h"][0], w2_8.view(e, d, f).transpose(-2, -1), q["rows h"][1], sw2.view(e, d),
+        "fwd2": lambda: sgmm(q["h"][0], w2_8.view(e, d, f).transpose(-2, -1), q["h"][1], sw2.view(e, d),
                              offs=ends, out_dtype=torch.bfloat16),
-        "dgrad2": lambda: sgmm(q["rows dy"][0], w2t8.transpose(-2, -1), q["rows dy"][1], sw2t, offs=ends,
+        "dgrad2": lambda: sgmm(q["dy"][0], w2t8.transpose(-2, -1), q["dy"][1], sw2t, offs=ends,
                                out_dtype=torch.bfloat16),
-        "dgrad13": lambda: sgmm(q["rows g13"][0], w13t8.transpose(-2, -1), q["rows g13"][1], sw13t, offs=ends,
+        "dgrad13": lambda: sgmm(q["g13"][0], w13t8.transpose(-2, -1), q["g13"][1], sw13t, offs=ends,
                                 out_dtype=torch.bfloat16),
         "wgrad2": lambda: sgmm(q["cols dy"][0], q["cols h"][0].t(), q["cols dy"][1].reshape(-1),
                                q["cols h"][1].reshape(-1), offs=ends, out_dtype=torch.bfloat16),
@@ -360,9 +376,9 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
 
     per_expert = {
         "fwd13": lambda: loop(x8, sx, w13_8.view(e, 2 * f, d), sw13.view(e, 2 * f), 2 * f),
-        "fwd2": lambda: loop(q["rows h"][0], q["rows h"][1], w2_8.view(e, d, f), sw2.view(e, d), d),
-        "dgrad2": lambda: loop(q["rows dy"][0], q["rows dy"][1], w2t8, sw2t, f),
-        "dgrad13": lambda: loop(q["rows g13"][0], q["rows g13"][1], w13t8, sw13t, d),
+        "fwd2": lambda: loop(q["h"][0], q["h"][1], w2_8.view(e, d, f), sw2.view(e, d), d),
+        "dgrad2": lambda: loop(q["dy"][0], q["dy"][1], w2t8, sw2t, f),
+        "dgrad13": lambda: loop(q["g13"][0], q["g13"][1], w13t8, sw13t, d),
         "wgrad2": lambda: loop(dyt8, sdyt, ht8, sht, f, wgrad=True),
         "wgrad13": lambda: loop(gt8, sgt, xt8, sxt, d, wgrad=True),
     }
@@ -388,8 +404,7 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
     log(f"probe {model} T={tokens} quant ms: {out['quant_ms']}")
     # the shared expert's up-projection (w1|w3 as one [2F, D] weight) on the block's tokens
     xs, ws = rnd(tokens, d), rnd(2 * f, d, std=0.02)
-    xs8, sxs = quant_rows(xs)
-    ws8, sws = quant_rows(ws)
+    (xs8, sxs, _, _), (ws8, sws, _, _) = quant_rows(xs), quant_rows(ws)
     ms_b, ms_f = timed_interleaved([lambda: xs @ ws.t(), lambda: torch._scaled_mm(
         xs8, ws8.t(), sxs[:, None], sws[None, :], out_dtype=torch.bfloat16)], iters, 2)
     fl = 2 * tokens * 2 * f * d
@@ -555,8 +570,10 @@ def main():
             "local_experts": LOCAL_EXPERTS, "expert_dim": 2048, "top_k": 8, "shared_experts": 1,
             "dispatcher": "titan_ext LeanTokenDispatcher (EP=1 path)", "dtype": "bf16 params and activations",
             "fp8": "titan_ext.models.fp8_experts.to_fp8: routed + shared expert SwiGLU GEMMs (fwd, dgrad, wgrad) in "
-                   "fp8 e4m3 with row-wise scales, one torch._scaled_mm per expert, Triton quantisation kernels, "
-                   "eager; weights quantised every step unless the variant says 'weights cached'",
+                   "fp8 e4m3 with row-wise scales, one torch._scaled_mm per expert, Triton quantisation kernels; the "
+                   "routed fp8 function spans dispatch and combine (routed rows quantised from the tokens, their "
+                   "gradient from the block's output gradient); eager; weights quantised every step unless the "
+                   "variant says 'weights cached'",
             "fp8_torchao": "torchao rowwise fp8 grouped GEMMs (Float8TrainingOpConfig) + tensorwise Float8Linear "
                            "shared expert, torch.compile on routed_experts and shared_experts",
             "replay": "ReplayRouter with recorded ids (5% of tokens differ from own top-k)",

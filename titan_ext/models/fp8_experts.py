@@ -6,9 +6,16 @@ per expert: on the H200 (torch 2.11, `benchmarks/moe_block.py --fp8-probe`) the 
 `torch._scaled_grouped_mm` ran these GEMMs at 770-1000 TFLOP/s, 1.3x its bf16
 `torch._grouped_mm` counterpart, while per-expert dense GEMMs ran 1000-1250 (1.5-1.8x).
 The per-expert loop needs the group sizes on the host: one device sync per forward.
-cuBLASLt's fp8 GEMMs need every group's row count to be a multiple of 16 (`ROW_MULTIPLE`):
-`to_fp8` makes the lean dispatcher pad each expert's group (pad rows carry score 0), and the
-shared expert pads its tokens.
+cuBLASLt's fp8 GEMMs need every group's row count to be a multiple of 16 (`ROW_MULTIPLE`,
+also the row block of the quantisation's column maxima): the routed experts pad each
+expert's group (pad rows carry score 0), the shared expert pads its tokens.
+
+The routed experts' fp8 function spans the dispatch and the combine as well (`Route`): the
+routed rows are quantised straight from the tokens and the routed output gradient straight
+from the block's output gradient, so no bf16 [routed rows, dim] tensor is written besides
+the expert output that the combine reads (before: a bf16 gather of x, its row quantisation,
+the combine backward's bf16 gradient write and that gradient's row quantisation, each a
+pass over 524288 x 7168 values per Kimi-K2 step at 64k tokens).
 
 Scales: activations per row (per routed row, over the contraction dimension); weights per
 output channel; weight gradients per (expert, channel) over the expert's rows. Weights are
@@ -25,13 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torchtitan.models.common.feed_forward import FeedForward
-from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.moe import MoE, RoutedExperts
 
-from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts, _local
-from .fp8_quant import padded_starts, quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows
+from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts, _local, gather_sum, lean_permutation
+from .fp8_quant import ROW_BLOCK, padded_starts, quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows
 
 
-ROW_MULTIPLE = 16
+ROW_MULTIPLE = ROW_BLOCK
 
 
 @dataclass(frozen=True)
@@ -53,13 +60,13 @@ def quantise_weights(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.T
     e, f, d = w1_EFD.shape
     w13 = torch.cat([w1_EFD, w3_EFD], dim=1).reshape(e * 2 * f, d)
     w2 = w2_EDF.reshape(e * d, f)
-    (q13, s13), (q2, s2) = quant_rows(w13), quant_rows(w2)
+    r13, r2 = quant_rows(w13), quant_rows(w2)
     return Fp8Weights(
         key=_weights_key((w1_EFD, w3_EFD, w2_EDF)),
-        w13=(q13.view(e, 2 * f, d), s13.view(e, 2 * f)),
-        w2=(q2.view(e, d, f), s2.view(e, d)),
-        w13_t=quant_cols_t(w13, [2 * f] * e, stacked=True),
-        w2_t=quant_cols_t(w2, [d] * e, stacked=True),
+        w13=(r13.q.view(e, 2 * f, d), r13.scale.view(e, 2 * f)),
+        w2=(r2.q.view(e, d, f), r2.scale.view(e, d)),
+        w13_t=quant_cols_t(w13, [2 * f] * e, r13.colmax, stacked=True),
+        w2_t=quant_cols_t(w2, [d] * e, r2.colmax, stacked=True),
     )
 
 
@@ -104,54 +111,106 @@ def _wgrad_mm(a_t, b_t, counts: list[int], out: torch.Tensor, rows: slice = slic
                          out_dtype=out.dtype, out=out[e])
 
 
+@dataclass(frozen=True)
+class Route:
+    """The routed experts' lean dispatch (`experts.lean_permutation`, groups padded to ROW_MULTIPLE)."""
+
+    src_R: torch.Tensor  # token of each routed row
+    slot_TK: torch.Tensor  # routed row of each (token, k) choice
+    score_R: torch.Tensor  # routing score of each routed row (pad rows: 0)
+
+
 class _Fp8SwiGLU(torch.autograd.Function):
-    """y = (silu(x W1^T) * (x W3^T)) W2^T per expert group, every GEMM in fp8."""
+    """y = (silu(x W1^T) * (x W3^T)) W2^T per expert group, every GEMM in fp8.
+
+    With a route the function spans dispatch and combine too: row r is x[src[r]] and the
+    output is out[t] = sum_k scores[t, k] y[slot[t, k]]. Owning both ends lets the dispatch
+    move fp8 rows quantised straight from the tokens, and the backward quantise the routed
+    output gradient s[r] * g[src[r]] from g without writing it (the bf16 routed copy of x,
+    its row pass, and the combine backward's [rows, dim] write are gone).
+    """
 
     @staticmethod
-    def forward(ctx, x_RD, w1_EFD, w3_EFD, w2_EDF, wq: Fp8Weights, counts: list[int]):
+    def forward(ctx, x_TD, scores_TK, w1_EFD, w3_EFD, w2_EDF, wq: Fp8Weights, counts: list[int],
+                route: Route | None):
         # w1/w3/w2 are inputs so that autograd hands them their gradients; wq holds their fp8 values.
-        x8 = quant_rows(x_RD)
-        g13 = _rows_mm(*x8, wq.w13, counts, x_RD.dtype)
-        y = _rows_mm(*swiglu_quant_rows(g13), wq.w2, counts, x_RD.dtype)
-        xq_t, xs_t = quant_cols_t(x_RD, counts)  # for the W1|W3 gradient; x itself is not kept
-        ctx.save_for_backward(g13, xq_t, xs_t)
-        ctx.wq, ctx.counts, ctx.w_dtypes = wq, counts, (w1_EFD.dtype, w3_EFD.dtype, w2_EDF.dtype)
-        return y
+        src = None if route is None else route.src_R
+        dtype = x_TD.dtype
+        x8 = quant_rows(x_TD, src)
+        g13 = _rows_mm(x8.q, x8.scale, wq.w13, counts, dtype)
+        h8 = swiglu_quant_rows(g13)
+        y = _rows_mm(h8.q, h8.scale, wq.w2, counts, dtype)
+        xq_t, xs_t = quant_cols_t(x_TD, counts, x8.colmax, src_R=src)  # for the W1|W3 gradient
+        ctx.wq, ctx.counts, ctx.route = wq, counts, route
+        ctx.w_dtypes = (w1_EFD.dtype, w3_EFD.dtype, w2_EDF.dtype)
+        if route is None:
+            ctx.save_for_backward(g13, xq_t, xs_t, h8.colmax, None, None)
+            return y
+        ctx.save_for_backward(g13, xq_t, xs_t, h8.colmax, y, scores_TK)  # y: the score gradient
+        return gather_sum(y, route.slot_TK, scores_TK)
 
     @staticmethod
-    def backward(ctx, dy_RD):
-        g13, xq_t, xs_t = ctx.saved_tensors
-        wq, counts = ctx.wq, ctx.counts
-        dy_RD = dy_RD.contiguous()
-        dtype = dy_RD.dtype
-        dh = _rows_mm(*quant_rows(dy_RD), wq.w2_t, counts, dtype)
-        dg13, dg8, dgs = swiglu_bwd_quant_rows(dh, g13)
+    def backward(ctx, grad_out):
+        g13, xq_t, xs_t, h_colmax, y, scores_TK = ctx.saved_tensors
+        wq, counts, route = ctx.wq, ctx.counts, ctx.route
+        grad_out = grad_out.contiguous()
+        dtype = grad_out.dtype
+        src = mul = None
+        if route is None:
+            dy8 = quant_rows(grad_out)
+        else:  # dy[r] = s[r] g[src[r]]; dot[r] = <g[src[r]], y[r]>, the gradient of s[r]
+            src, mul = route.src_R, route.score_R
+            dy8 = quant_rows(grad_out, src, mul, dot_with_RC=y)
+            del y
+        dh = _rows_mm(dy8.q, dy8.scale, wq.w2_t, counts, dtype)
+        dg13, dg8 = swiglu_bwd_quant_rows(dh, g13)
         del dh
-        dx = _rows_mm(dg8, dgs, wq.w13_t, counts, dtype)
-        del dg8, dgs
-        e, f, d = len(counts), g13.size(1) // 2, dy_RD.size(1)
-        dw2 = torch.empty(e, d, f, dtype=dtype, device=dy_RD.device)
-        _wgrad_mm(quant_cols_t(dy_RD, counts), quant_cols_t(g13, counts, swiglu=True), counts, dw2)
-        dg_t = quant_cols_t(dg13, counts)
-        dw1, dw3 = (torch.empty(e, f, d, dtype=dtype, device=dy_RD.device) for _ in range(2))
+        dx = _rows_mm(dg8.q, dg8.scale, wq.w13_t, counts, dtype)
+        e, f, d = len(counts), g13.size(1) // 2, grad_out.size(1)
+        dw2 = torch.empty(e, d, f, dtype=dtype, device=grad_out.device)
+        _wgrad_mm(quant_cols_t(grad_out, counts, dy8.colmax, src_R=src, mul_R=mul),
+                  quant_cols_t(g13, counts, h_colmax, swiglu=True), counts, dw2)
+        dg_t = quant_cols_t(dg13, counts, dg8.colmax)
+        del dg13, dg8
+        dw1, dw3 = (torch.empty(e, f, d, dtype=dtype, device=grad_out.device) for _ in range(2))
         _wgrad_mm(dg_t, (xq_t, xs_t), counts, dw1, slice(0, f))
         _wgrad_mm(dg_t, (xq_t, xs_t), counts, dw3, slice(f, 2 * f))
         grads = (g.to(dt) for g, dt in zip((dw1, dw3, dw2), ctx.w_dtypes))
-        return dx, *grads, None, None
+        grad_scores = None
+        if route is not None:  # the dispatch's backward, and the combine's score gradient
+            dx = gather_sum(dx, route.slot_TK)
+            grad_scores = dy8.dot.index_select(0, route.slot_TK.reshape(-1)).view_as(scores_TK).to(scores_TK.dtype)
+        return dx, grad_scores, *grads, None, None, None
 
 
-def fp8_swiglu(x_RD, w1_EFD, w3_EFD, w2_EDF, counts: list[int], wq: Fp8Weights) -> torch.Tensor:
-    """The SwiGLU FFN of expert e on its counts[e] consecutive rows of x, in fp8 (bf16/fp32 out as x)."""
-    return _Fp8SwiGLU.apply(x_RD, w1_EFD, w3_EFD, w2_EDF, wq, counts)
+def fp8_swiglu(x_RD, w1_EFD, w3_EFD, w2_EDF, counts: list[int], wq: Fp8Weights, route: Route | None = None,
+               scores_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """The SwiGLU FFN of expert e on its counts[e] consecutive rows of x, in fp8 (bf16/fp32 out as x).
+
+    With a route: the rows are x[route.src_R] and the output is combined per token with scores_TK.
+    """
+    return _Fp8SwiGLU.apply(x_RD, scores_TK, w1_EFD, w3_EFD, w2_EDF, wq, counts, route)
 
 
-class Fp8GroupedExperts(NativeDtypeGroupedExperts):
-    """Routed experts whose GEMMs run in fp8 (see the module docstring)."""
+class Fp8RoutedExperts(RoutedExperts):
+    """Dispatch, routed experts and combine in one fp8 function (see `_Fp8SwiGLU`); the lean
+    permutation of `experts.LeanTokenDispatcher` with groups padded to ROW_MULTIPLE."""
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local(w) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        counts = num_tokens_per_expert_E.tolist()
-        return fp8_swiglu(x_RD, w1, w3, w2, counts, cached_weights(self, w1, w3, w2))
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        if self.token_dispatcher.ep_mesh is not None:
+            raise NotImplementedError("fp8 routed experts run without expert parallel (no all-to-all dispatch)")
+        b, l, d = x_BLD.shape
+        k = topk_scores_BLK.size(-1)
+        scores_TK = topk_scores_BLK.reshape(b * l, k)
+        src_R, slot_TK, score_R, counts_E = lean_permutation(
+            topk_expert_ids_BLK.reshape(b * l, k), scores_TK, num_local_tokens_per_expert_E, ROW_MULTIPLE)
+        counts = counts_E.tolist()  # the one host sync
+        r = sum(counts)  # the permutation's static row count leaves slack rows after the last group
+        experts = self.inner_experts
+        w1, w2, w3 = (_local(w) for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+        out_TD = fp8_swiglu(x_BLD.reshape(b * l, d), w1, w3, w2, counts, cached_weights(experts, w1, w3, w2),
+                            Route(src_R[:r], slot_TK, score_R[:r]), scores_TK)
+        return out_TD.view(b, l, d)
 
 
 class Fp8FeedForward(FeedForward):
@@ -161,9 +220,11 @@ class Fp8FeedForward(FeedForward):
         w1, w3, w2 = (_local(lin.weight).unsqueeze(0) for lin in (self.w1, self.w3, self.w2))
         x_TD = x.reshape(-1, x.size(-1))
         t = x_TD.size(0)
-        x_TD = F.pad(x_TD, (0, 0, 0, -t % ROW_MULTIPLE))
+        pad = -t % ROW_MULTIPLE
+        if pad:  # (a no-op pad and slice would still copy x forward and the gradient backward)
+            x_TD = F.pad(x_TD, (0, 0, 0, pad))
         y = fp8_swiglu(x_TD, w1, w3, w2, [x_TD.size(0)], cached_weights(self, w1, w3, w2))
-        return y[:t].view(*x.shape[:-1], y.size(-1))
+        return (y[:t] if pad else y).view(*x.shape[:-1], y.size(-1))
 
 
 def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
@@ -176,12 +237,9 @@ def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
             experts = m.routed_experts.inner_experts
             if type(experts) is not NativeDtypeGroupedExperts:
                 raise TypeError(f"fp8 experts replace titan_ext's NativeDtypeGroupedExperts, not {type(experts)}")
-            experts.__class__ = Fp8GroupedExperts
-            dispatcher = m.routed_experts.token_dispatcher
-            if not isinstance(dispatcher, LeanTokenDispatcher) or dispatcher.ep_mesh is not None:
-                raise TypeError("fp8 experts need titan_ext's LeanTokenDispatcher without expert parallel "
-                                "(it pads each expert's rows to a multiple of 16)")
-            dispatcher.pad_multiple = ROW_MULTIPLE
+            if not isinstance(m.routed_experts.token_dispatcher, LeanTokenDispatcher):
+                raise TypeError("fp8 experts need titan_ext's LeanTokenDispatcher (its lean permutation)")
+            m.routed_experts.__class__ = Fp8RoutedExperts
             if m.shared_experts is not None:
                 if type(m.shared_experts) is not FeedForward or m.shared_experts.w1.bias is not None:
                     raise TypeError(f"fp8 shared expert needs a bias-free FeedForward, not {type(m.shared_experts)}")
