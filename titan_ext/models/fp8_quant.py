@@ -230,7 +230,9 @@ if triton is not None:
 
     # The row kernels run one program per ROW_BLOCK rows (the block of one column-maximum row),
     # rows whole in registers. On the H200 ([524288, 7168] bf16) two rows per step as one tile
-    # took 3.0 ms, one row per step 3.7 (a single load in flight per program).
+    # took 3.0 ms, one row per step 3.7 (a single load in flight per program). Not for every width:
+    # W2's 2048-wide rows ([E*7168, 2048]) took 6.1 ms this way against 0.6 for the earlier
+    # one-program-per-row kernel (README, "Why not 1.5x").
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, src_ptr, mul_ptr, y_ptr, q_ptr, s_ptr, cmax_ptr, dot_ptr, C,
