@@ -66,6 +66,16 @@ def test_rows_and_swiglu_rows():
     assert (r.q.float() * r.scale[:, None] - dg.float()).norm() < 0.08 * dg.float().norm()
 
 
+def test_rows_wider_than_2048_two_per_step():
+    x = _inputs(32, 2100, 9)  # rows over 2048 wide: two rows per step (masked tail)
+    g = torch.Generator().manual_seed(10)
+    src = torch.randint(0, 32, (48,), generator=g)
+    mul = torch.rand(48, generator=g)
+    assert fq._rows_per_step(2100, dot=False) == 2
+    for args in ((x,), (x, src, mul)):
+        _same_rows(fq.quant_rows(*args), _torch_path(fq.quant_rows, *args))
+
+
 def test_rows_gathered_scaled_with_dot():
     x = _inputs(20, 100, 4)  # tokens
     g = torch.Generator().manual_seed(5)

@@ -106,9 +106,17 @@ def quant_rows(x_TC: torch.Tensor, src_R: torch.Tensor | None = None, mul_R: tor
     _quant_rows_kernel[(r // ROW_BLOCK,)](
         x_TC, x_TC if src_R is None else src_R, x_TC if mul_R is None else mul_R,
         x_TC if dot_with_RC is None else dot_with_RC.contiguous(), *out, x_TC if dot is None else dot, c,
-        GATHER=src_R is not None, MUL=mul_R is not None, DOT=dot is not None, ROW_BLOCK=ROW_BLOCK, P=2,
-        BLOCK_C=triton.next_power_of_2(c), num_warps=8)
+        GATHER=src_R is not None, MUL=mul_R is not None, DOT=dot is not None, ROW_BLOCK=ROW_BLOCK,
+        P=_rows_per_step(c, dot is not None), BLOCK_C=triton.next_power_of_2(c), num_warps=8)
     return Rows(*out, dot)
+
+
+def _rows_per_step(c: int, dot: bool) -> int:
+    """Rows `_quant_rows_kernel` loads as one tile per step, by what was fastest on the H200:
+    two for the wide activation rows ([524288, 7168]: 3.0 ms, one row per step 3.7); one for rows
+    up to 2048 wide (W2's [E*7168, 2048]: 6.1 ms two at a time, 0.6 one row per program) and for
+    the gathered output gradient with its score dot (5.5 ms one at a time, 6.3 two)."""
+    return 1 if dot or c <= 2048 else 2
 
 
 def swiglu_quant_rows(g13_RF2: torch.Tensor) -> Rows:
@@ -229,10 +237,8 @@ if triton is not None:
         return ax
 
     # The row kernels run one program per ROW_BLOCK rows (the block of one column-maximum row),
-    # rows whole in registers. On the H200 ([524288, 7168] bf16) two rows per step as one tile
-    # took 3.0 ms, one row per step 3.7 (a single load in flight per program). Not for every width:
-    # W2's 2048-wide rows ([E*7168, 2048]) took 6.1 ms this way against 0.6 for the earlier
-    # one-program-per-row kernel (README, "Why not 1.5x").
+    # rows whole in registers; `_quant_rows_kernel` loads P rows per step as one tile, P chosen by
+    # `_rows_per_step`.
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, src_ptr, mul_ptr, y_ptr, q_ptr, s_ptr, cmax_ptr, dot_ptr, C,
