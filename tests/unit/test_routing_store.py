@@ -7,7 +7,6 @@ import glob
 import os
 import secrets
 import subprocess
-import threading
 import time
 
 import numpy as np
@@ -92,46 +91,6 @@ def test_one_step_of_several_requests_lands_at_each_requests_positions(store):
         read_rows(s.token, "z", 2)  # nothing of z was written
     with pytest.raises(ValueError, match="dtype"):
         s.write_step([("x", 5, 1)], step[:1].astype(np.uint16))
-
-
-def test_reader_waits_for_rows_still_queued_in_the_worker(store):
-    """The worker's writer thread may still hold the last step's rows when the API server
-    reads: the reader waits for the steps queued at that moment, then reads them."""
-    rng = np.random.default_rng(5)
-    s = store()
-    progress = s.reaper.capturing(s.token)
-    s.open("q", 0, 8)
-    r = rows(rng, 6)
-    s.write("q", 0, r[:5])
-    progress.step_queued()  # the step with position 5 is queued, not written yet
-
-    def writer():
-        time.sleep(0.05)
-        s.write("q", 5, r[5:6])
-        progress.step_written()
-
-    th = threading.Thread(target=writer)
-    th.start()
-    _, out = read_rows(s.token, "q", 6)
-    th.join()
-    assert np.array_equal(out, r)
-
-
-def test_reader_reports_rows_the_writer_never_wrote(store):
-    s = store()
-    progress = s.reaper.capturing(s.token)
-    s.open("m", 0, 8)
-    s.write("m", 0, np.zeros((3, 2, 3), np.uint8))
-    # nothing queued: missing now means missing, reported at once
-    t = time.monotonic()
-    with pytest.raises(MissingRowsError, match="position 3"):
-        read_rows(s.token, "m", 5, wait_s=60)
-    assert time.monotonic() - t < 30
-    # queued but the writer never catches up: reported after the wait
-    s.open("w", 0, 8)
-    progress.step_queued()
-    with pytest.raises(MissingRowsError, match="position 0"):
-        read_rows(s.token, "w", 2, wait_s=0.05)
 
 
 def test_missing_rows_raise_instead_of_gap(store):

@@ -11,11 +11,11 @@ output:
 * ``RoutingCapture`` sets ``router.set_capture_fn`` on every ``MoERunner`` and
   copies each step's ``topk_ids [tokens_in_step, top_k]`` (logical ids, before
   any EPLB mapping) into a preallocated buffer per MoE layer;
-* ``WorkerRouting.commit_step`` queues a copy of the step's rows; its writer
-  thread splits them by request in ``input_batch.req_ids`` order (how the
-  runner packs tokens) and writes them at each request's
-  ``num_computed_tokens`` position into the ``RoutingStore``; rows of tokens a
-  prefix-cache hit skipped come from blocks kept by KV block hash.
+* ``WorkerRouting.commit_step`` splits the step's rows by request in
+  ``input_batch.req_ids`` order (how the runner packs tokens) and writes them
+  at each request's ``num_computed_tokens`` position into the
+  ``RoutingStore``; rows of tokens a prefix-cache hit skipped come from
+  blocks kept by KV block hash.
 * ``make_scheduler_connector`` is vLLM's scheduler-side connector minus the
   per-step rows.
 """
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 from functools import partial
 from typing import Any
 
@@ -81,8 +79,6 @@ class RoutingCapture:
         # caches, where one torch op costs ~30 us (an OpenMP region) and a
         # numpy reduction ~30 us.
         self._host = self._buf.numpy().view(self.dtype) if device.type == "cpu" else None
-        self._host_bytes = memoryview(self._host.reshape(-1)).cast("B") if self._host is not None else None
-        self._row_bytes = num_layers * self.top_k * self.dtype.itemsize
         self._host_counts = memoryview(self._counts.numpy()).cast("B") if device.type == "cpu" else None
         self._no_counts = bytes(4 * num_layers)
         self._expect: dict[int, bytes] = {}
@@ -105,20 +101,22 @@ class RoutingCapture:
         else:
             self._counts.zero_()
 
-    def step_rows(self, num_tokens: int) -> bytes:
-        """A copy of the step's rows ``[num_tokens, L, K]`` (padding tokens dropped),
-        C order, in the record's id dtype."""
+    def step_rows(self, num_tokens: int) -> np.ndarray:
+        """The step's rows ``[num_tokens, L, K]`` (padding tokens dropped) in the record's id dtype.
+
+        On CPU a view of the buffer, valid until the next step: the store copies
+        it into the requests' segments right away."""
         expect = self._expect.get(num_tokens)
         if expect is None:
             expect = self._expect[num_tokens] = np.full(len(self.moe_layers), num_tokens, np.int32).tobytes()
         if self._host is not None:
             if self._host_counts != expect:
                 self._check_counts(np.frombuffer(self._host_counts, np.int32), num_tokens)
-            return self._host_bytes[: num_tokens * self._row_bytes].tobytes()
+            return self._host[:num_tokens]
         counts = self._counts.cpu().numpy()
         if counts.tobytes() != expect:
             self._check_counts(counts, num_tokens)
-        return self._buf[:num_tokens].cpu().numpy().tobytes()
+        return self._buf[:num_tokens].cpu().numpy().view(self.dtype)
 
     def _check_counts(self, counts: np.ndarray, num_tokens: int) -> None:
         """More rows than scheduled tokens is a padded batch (CUDA graphs); fewer is an error."""
@@ -129,16 +127,7 @@ class RoutingCapture:
 
 
 class WorkerRouting:
-    """Worker-side data plane: capture -> store (the hand-off segments).
-
-    The model runner's thread only resets the capture before a step and
-    queues a copy of its rows after it (~20 us a step); a writer thread
-    applies the scheduler's metadata and writes the rows into the segments.
-    Done inline, that work cost ~90 us of CPU a step right after the forward
-    (cold caches), on the step's critical path: several percent of a tiny
-    model's serving throughput. The writer thread is not bound to the
-    runner's cores. Ordering with the API server's read: ``handoff.py``.
-    """
+    """Worker-side data plane: capture -> store (the hand-off segments)."""
 
     def __init__(self, capture: RoutingCapture, block_size: int, max_model_len: int) -> None:
         self.capture = capture
@@ -149,43 +138,11 @@ class WorkerRouting:
         swept = sweep_dead_servers()
         if swept:
             logger.info("moerl routing: removed %d routing segments of servers no longer running", swept)
-        self.progress = self.store.reaper.capturing(self.store.token)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._writer, name="moerl-routing-writer", daemon=True).start()
+        self.store.reaper.capturing(self.store.token)
 
     def begin_step(self, meta: Any, scheduler_output: Any) -> None:
-        """Reset the capture for this step; the metadata is applied by the writer."""
+        """Apply the scheduler's metadata for this step and open new requests."""
         self.capture.begin_step()
-        self._queue.put((self._apply_meta, (meta, scheduler_output), False))
-
-    def commit_step(self, runner: Any, scheduler_output: Any) -> None:
-        """Queue the step's rows (the runner's request order is copied now: it changes)."""
-        total = scheduler_output.total_num_scheduled_tokens
-        try:
-            rows = self.capture.step_rows(total)
-        except RuntimeError as exc:
-            logger.error("moerl routing: %s", exc)
-            return
-        self._queue.put((self._write, (list(runner.input_batch.req_ids), scheduler_output, rows), True))
-        self.progress.step_queued()
-
-    def _writer(self) -> None:
-        try:  # this thread inherited the runner's core binding; let it run on any core
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError:
-            pass
-        while True:
-            fn, args, is_step = self._queue.get()
-            try:
-                fn(*args)
-            except Exception:  # a bug here must not stop the hand-off of later steps
-                logger.exception("moerl routing: writer failed")
-            if is_step:
-                self.progress.step_written()
-
-    def _apply_meta(self, meta: Any, scheduler_output: Any) -> None:
-        """Apply the scheduler's metadata for a step: open new requests, resume
-        preempted ones, block hashes, finished requests."""
         store = self.store
         store.reaper.sweep()
         if meta.generation != self.generation:
@@ -213,16 +170,23 @@ class WorkerRouting:
         for rid in meta.finished_requests:
             store.finish(rid)
 
-    def _write(self, req_ids: list[str | None], scheduler_output: Any, data: bytes) -> None:
-        """Write a step's rows into each request's segment at its positions."""
+    def commit_step(self, runner: Any, scheduler_output: Any) -> None:
+        """Write the step's rows into each request's segment at its positions."""
         num_sched = scheduler_output.num_scheduled_tokens
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        spans = [(rid, starts[rid], num_sched[rid]) for rid in req_ids if rid is not None and rid in num_sched]
-        store = self.store
-        rows = np.frombuffer(data, store.dtype).reshape(-1, store.num_layers, store.top_k)
-        for err in store.write_step(spans, rows):
+        spans = [(rid, starts[rid], num_sched[rid]) for rid in runner.input_batch.req_ids
+                 if rid is not None and rid in num_sched]
+        total = sum(n for _, _, n in spans)
+        if total == 0:
+            return
+        try:
+            rows = self.capture.step_rows(total)
+        except RuntimeError as exc:
+            logger.error("moerl routing: %s", exc)
+            return
+        for err in self.store.write_step(spans, rows):
             logger.error("moerl routing: %s", err)
 
 

