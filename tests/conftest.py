@@ -35,6 +35,18 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def run_interpreted_cases(cases_file: Path, expected_passed: int) -> None:
+    """Run a file of Triton kernel cases under Triton's interpreter, in a fresh process:
+    TRITON_INTERPRET must be set before Triton is first imported, and earlier tests of the
+    same session import it. Asserts that every case ran and passed (none skipped)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases_file)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert re.search(rf"\b{expected_passed} passed\b", run.stdout), run.stdout[-2000:]
+
+
 def losses_from_log(text: str) -> list[float]:
     """Per-step losses from TorchTitan's log (rank 0 lines only when tagged)."""
     clean = re.sub(r"\x1b\[[0-9;]*m", "", text)

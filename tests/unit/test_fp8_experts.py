@@ -7,10 +7,6 @@ or group offset puts the output or a gradient ~100% off; fp8 rounding alone stay
 """
 
 import copy
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from titan_ext.models.builder import build_model_config
 from titan_ext.models.experts import lean_permutation
 from titan_ext.models.fp8_experts import (
     Fp8FeedForward, Fp8RoutedExperts, Route, cached_weights, drop_cached_weights, fp8_swiglu, to_fp8)
+from tests.conftest import run_interpreted_cases
 
 HERE = Path(__file__).parent
 
@@ -140,10 +137,4 @@ def test_to_fp8_moe_block_close_to_bf16(model):
 
 
 def test_triton_quant_kernels_match_torch_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(HERE / "fp8_quant_interpreted_cases.py")],
-                         env=env, cwd=HERE.parent.parent, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert re.search(r"\b7 passed\b", run.stdout), run.stdout[-2000:]
+    run_interpreted_cases(HERE / "fp8_quant_interpreted_cases.py", 7)
