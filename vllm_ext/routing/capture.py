@@ -149,8 +149,9 @@ class WorkerRouting:
             # prefix cache was reset (e.g. new weights): old blocks are stale
             store.reset()
             self.generation = meta.generation
-        new_reqs = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
-        for rid in store.not_open(meta.requests):
+        unopened = store.not_open(meta.requests)
+        new_reqs = {r.req_id: r for r in scheduler_output.scheduled_new_reqs} if unopened else {}
+        for rid in unopened:
             if store.resume(rid):
                 continue
             start = meta.requests[rid]

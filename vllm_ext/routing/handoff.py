@@ -203,10 +203,9 @@ def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
         if not start <= end <= capacity:
             raise MissingRowsError(f"request {req_id}: rows [{start}, {end}) asked of a segment of {capacity}")
         n, row_bytes = end - start, layers * top_k * dtype.itemsize
-        written = np.frombuffer(os.pread(fd, n, _HEADER_BYTES + start), np.uint8)
-        missing = np.flatnonzero(written == 0)
-        if missing.size:
-            raise MissingRowsError(f"request {req_id}: no routing rows for position {start + int(missing[0])} "
+        missing = os.pread(fd, n, _HEADER_BYTES + start).find(b"\x00")
+        if missing != -1:
+            raise MissingRowsError(f"request {req_id}: no routing rows for position {start + missing} "
                                    f"(of [{start}, {end}))")
         body = os.pread(fd, n * row_bytes, _HEADER_BYTES + capacity + start * row_bytes)
         return start, np.frombuffer(body, dtype).reshape(n, layers, top_k)
@@ -242,8 +241,10 @@ class SegmentReaper:
         self._finished = deque(e for e in self._finished if e[1] != name)
 
     def sweep(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
         q = self._finished
+        if not q:
+            return
+        now = time.monotonic() if now is None else now
         while q and now - q[0][0] >= self.grace_s:
             name = q.popleft()[1]
             self._live.discard(name)

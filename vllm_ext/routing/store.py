@@ -22,7 +22,7 @@ token fed forward (the last sampled token never is).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +56,7 @@ class RoutingStore:
         self.reaper = reaper or SegmentReaper()
         self._requests: dict[str, _RequestRows] = {}
         self._pending_hashes: dict[str, list[bytes]] = {}
-        self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # block hash -> its rows
 
     def open(self, req_id: str, start: int, capacity: int) -> None:
         """A newly scheduled request: rows from position `start` on are handed over, at most
@@ -149,19 +149,23 @@ class RoutingStore:
         return errors
 
     def _publish(self, st: _RequestRows) -> None:
-        """Store every full block whose rows are all known under its hash."""
+        """Store every full block whose rows are all known under its hash (as bytes).
+
+        Runs from the per-step write: the check and the copy are mmap byte
+        operations, not numpy calls (see ``write_step``)."""
         bs = self.block_size
         seg = st.seg
+        mm, fa, ra, rb = seg.mm, seg.flags_at, seg.rows_at, seg.row_bytes
         i = st.published_blocks
         while i < len(st.block_hashes):
             lo, hi = i * bs, (i + 1) * bs
-            if hi > seg.capacity or not seg.written[lo:hi].all():
+            if hi > seg.capacity or mm.find(b"\x00", fa + lo, fa + hi) != -1:
                 break
             h = st.block_hashes[i]
             if h in self._blocks:
                 self._blocks.move_to_end(h)
             else:
-                self._blocks[h] = seg.rows[lo:hi].copy()
+                self._blocks[h] = mm[ra + lo * rb : ra + hi * rb]
                 if len(self._blocks) > self.max_blocks:
                     self._blocks.popitem(last=False)
             i += 1
@@ -173,10 +177,11 @@ class RoutingStore:
         bs = self.block_size
         seg = st.seg
         for blk in range(min(-(-end // bs), len(st.block_hashes))):
-            rows = self._blocks.get(st.block_hashes[blk])
-            if rows is None:
+            block = self._blocks.get(st.block_hashes[blk])
+            if block is None:
                 continue
             self._blocks.move_to_end(st.block_hashes[blk])
+            rows = np.frombuffer(block, self.dtype).reshape(bs, self.num_layers, self.top_k)
             lo, hi = blk * bs, min((blk + 1) * bs, end)
             need = seg.written[lo:hi] == 0
             seg.rows[lo:hi][need] = rows[: hi - lo][need]
@@ -203,8 +208,11 @@ class RoutingStore:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
 
-    def not_open(self, req_ids: Iterable[str]) -> set[str]:
-        """Which of these requests have no open segment (one set operation: runs every step)."""
+    def not_open(self, req_ids: Mapping[str, object]) -> set[str]:
+        """Which requests (keys of req_ids) have no open segment; runs every step, and in
+        most steps every one is open: one subset test of the two key views."""
+        if req_ids.keys() <= self._requests.keys():
+            return set()
         return set(req_ids).difference(self._requests)
 
     @property
