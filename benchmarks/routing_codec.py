@@ -255,8 +255,7 @@ def serving_overhead(quick: bool) -> dict:
         "tokens_per_s_off": [round(x, 2) for x in rates["off"]],
         "paired_overhead": [round(x, 4) for x in paired],
         # headline: the measure, serving throughput (tokens/s) lost with capture on,
-        # median of the paired runs; cpu_overhead says what the capture costs in CPU time,
-        # wherever it runs (the worker's writer thread does its work off the runner's core)
+        # median of the paired runs; cpu_overhead says what the capture costs in CPU time
         "capture_overhead": round(float(np.median(paired)), 4),
         "_captured": np.concatenate(captured[-32:]),  # the last 32 responses, as one served record
     }

@@ -73,11 +73,11 @@ class RoutingCapture:
         buf_dtype = torch.uint8 if self.dtype == np.uint8 else torch.int16
         self._buf = torch.zeros((max_tokens, num_layers, self.top_k), dtype=buf_dtype, device=device)
         self._counts = torch.zeros(num_layers, dtype=torch.int32, device=device)
-        # On CPU the per-step reset, check and read go through byte views of the
-        # same memory, with no torch or numpy call: this runs every step right
-        # after the forward has flushed the interpreter's working set from the
-        # caches, where one torch op costs ~30 us (an OpenMP region) and a
-        # numpy reduction ~30 us.
+        # On CPU the per-step reset and check are byte operations on views of the
+        # same memory and the read a numpy slice, with no torch op or numpy
+        # reduction: this runs every step right after the forward has flushed
+        # the interpreter's working set from the caches, where one torch op
+        # costs ~30 us (an OpenMP region) and a numpy reduction ~30 us.
         self._host = self._buf.numpy().view(self.dtype) if device.type == "cpu" else None
         self._host_counts = memoryview(self._counts.numpy()).cast("B") if device.type == "cpu" else None
         self._no_counts = bytes(4 * num_layers)
