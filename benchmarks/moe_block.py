@@ -46,7 +46,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  #
 
 from titan_ext.models import get_arch  # noqa: E402
 from titan_ext.models.builder import build_model_config  # noqa: E402
-from titan_ext.models.fp8_experts import drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8  # noqa: E402
+from titan_ext.models.fp8_experts import (  # noqa: E402
+    _rows_mm, _wgrad_mm, drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8)
 from titan_ext.replay import replay_routing  # noqa: E402
 
 LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}  # 384 / 8 and 256 / 8
@@ -354,33 +355,22 @@ def fp8_probe(model: str, tokens: int, dev, iters: int) -> dict:
         "wgrad13": lambda: sgmm(q["cols g13"][0], q["cols x"][0].t(), q["cols g13"][1].reshape(-1),
                                 q["cols x"][1].reshape(-1), offs=ends, out_dtype=torch.bfloat16),
     }
-    # the same GEMMs as one dense torch._scaled_mm per expert (host-side group bounds)
-    b = [(i * per, (i + 1) * per) for i in range(e)]
+    # the same GEMMs as one dense torch._scaled_mm per expert, as the fp8 block runs them
     w13t8, w2t8 = w13t8.view(e, d, 2 * f), w2t8.view(e, f, d)
-    xt8, sxt = q["cols x"]
-    dyt8, sdyt = q["cols dy"]
-    ht8, sht = q["cols h"]
-    gt8, sgt = q["cols g13"]
+    bf16 = torch.bfloat16
 
-    def loop(a, sa, bm, sb, n, wgrad=False):
-        """Per expert: a [rows, K] (or, wgrad, a^T [M, rows]) with scales, bm(i) = [N, K] stored rows."""
-        out = torch.empty((e, a.size(0), n) if wgrad else (rows, n), dtype=torch.bfloat16, device=dev)
-        for i, (s0, s1) in enumerate(b):
-            if wgrad:
-                torch._scaled_mm(a[:, s0:s1], bm[:, s0:s1].t(), sa[i][:, None], sb[i][None, :],
-                                 out_dtype=torch.bfloat16, out=out[i])
-            else:
-                torch._scaled_mm(a[s0:s1], bm[i].t(), sa[s0:s1, None], sb[i][None, :],
-                                 out_dtype=torch.bfloat16, out=out[s0:s1])
+    def wgrad(a_t, b_t, m, n):
+        out = torch.empty(e, m, n, dtype=bf16, device=dev)
+        _wgrad_mm(a_t, b_t, counts, out)
         return out
 
     per_expert = {
-        "fwd13": lambda: loop(x8, sx, w13_8.view(e, 2 * f, d), sw13.view(e, 2 * f), 2 * f),
-        "fwd2": lambda: loop(q["h"][0], q["h"][1], w2_8.view(e, d, f), sw2.view(e, d), d),
-        "dgrad2": lambda: loop(q["dy"][0], q["dy"][1], w2t8, sw2t, f),
-        "dgrad13": lambda: loop(q["g13"][0], q["g13"][1], w13t8, sw13t, d),
-        "wgrad2": lambda: loop(dyt8, sdyt, ht8, sht, f, wgrad=True),
-        "wgrad13": lambda: loop(gt8, sgt, xt8, sxt, d, wgrad=True),
+        "fwd13": lambda: _rows_mm(x8, sx, (w13_8.view(e, 2 * f, d), sw13.view(e, 2 * f)), counts, bf16),
+        "fwd2": lambda: _rows_mm(q["h"][0], q["h"][1], (w2_8.view(e, d, f), sw2.view(e, d)), counts, bf16),
+        "dgrad2": lambda: _rows_mm(q["dy"][0], q["dy"][1], (w2t8, sw2t), counts, bf16),
+        "dgrad13": lambda: _rows_mm(q["g13"][0], q["g13"][1], (w13t8, sw13t), counts, bf16),
+        "wgrad2": lambda: wgrad(q["cols dy"], q["cols h"], d, f),
+        "wgrad13": lambda: wgrad(q["cols g13"], q["cols x"], 2 * f, d),
     }
     out = {"rows": rows, "gemm": {}, "quant_ms": {}}
     for name in bf:
