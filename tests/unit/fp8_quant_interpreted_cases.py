@@ -52,74 +52,94 @@ def _same_rows(got, want, scale_rtol=1e-5):
 
 def test_rows_and_swiglu_rows():
     x = _inputs(48, 100, 0)  # row length not a power of two: masked tail; three 16-row blocks
-    for fn in (fq.quant_rows, fq.swiglu_quant_rows):
-        got, want = fn(x), _torch_path(fn, x)
-        assert got.colmax.shape == (3, want.q.size(1))
-        _same_rows(got, want)  # Triton's sigmoid vs torch's silu: scales within 1e-5
-    dh = _inputs(48, 50, 1)
-    dg, r = fq.swiglu_bwd_quant_rows(dh, x)
-    dg0, r0 = _torch_path(fq.swiglu_bwd_quant_rows, dh, x)
+    got, want = fq.quant_rows(x), _torch_path(fq.quant_rows, x)
+    assert got.colmax.shape == (3, 100)
+    _same_rows(got, want)
+    torch.testing.assert_close(got.colmax, x.float().abs().view(3, 16, 100).amax(1), rtol=0, atol=0)
+    got, want = fq.swiglu_quant_rows(x), _torch_path(fq.swiglu_quant_rows, x)
+    assert got.colmax is None and got.q.shape == (48, 50)
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-5, atol=0)  # Triton's sigmoid vs torch's silu
+    _same_fp8(got.q, want.q)
+
+
+@pytest.mark.parametrize("with_score", [False, True])
+def test_swiglu_bwd_rows(with_score):
+    x, dh = _inputs(48, 100, 0), _inputs(48, 50, 1)
+    g = torch.Generator().manual_seed(12)
+    colmul, hmul = torch.rand(48, generator=g), torch.rand(48, generator=g)
+    score = torch.rand(48, generator=g).to(torch.bfloat16) if with_score else None
+    score_f = score.float()[:, None] if with_score else 1.0
+    dg, r, hmax = fq.swiglu_bwd_quant_rows(dh, x, colmul, hmul, score)
+    dg0, r0, hmax0 = _torch_path(fq.swiglu_bwd_quant_rows, dh, x, colmul, hmul, score)
     assert (dg.float() - dg0.float()).abs().max() <= 2 ** -7 * dg0.float().abs().max()  # bf16 rounding apart
     torch.testing.assert_close(r.scale, r0.scale, rtol=1e-2, atol=0)
-    torch.testing.assert_close(r.colmax, dg.float().abs().view(3, 16, 100).amax(1), rtol=0, atol=0)
+    torch.testing.assert_close(r.colmax, (dg.float().abs() * colmul[:, None]).view(3, 16, 100).amax(1), rtol=0, atol=0)
     # q * scale is dg to fp8 precision (a row's scale can differ by dg's bf16 rounding, so q may not match q0)
     assert (r.q.float() * r.scale[:, None] - dg.float()).norm() < 0.08 * dg.float().norm()
+    # dg = the autograd gradient of h = silu(g1) g3 for output gradient score * dh
+    g13 = x.float().requires_grad_(True)
+    h = fq._swiglu(g13)
+    h.backward(dh.float() * score_f)
+    assert (dg.float() - g13.grad).norm() < 0.01 * g13.grad.norm()
+    h = h.detach()
+    torch.testing.assert_close(hmax, (h.abs() * hmul[:, None]).view(3, 16, 50).amax(1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(hmax, hmax0, rtol=1e-5, atol=0)
+    if with_score:  # the score gradient <dh, h>
+        torch.testing.assert_close(r.dot, (dh.float() * h).sum(1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(r.dot, r0.dot, rtol=1e-4, atol=1e-4)
+    else:
+        assert r.dot is None
 
 
 def test_rows_wider_than_2048_two_per_step():
     x = _inputs(32, 2100, 9)  # rows over 2048 wide: two rows per step (masked tail)
-    g = torch.Generator().manual_seed(10)
-    src = torch.randint(0, 32, (48,), generator=g)
-    mul = torch.rand(48, generator=g)
-    assert fq._rows_per_step(2100, dot=False) == 2
-    for args in ((x,), (x, src, mul)):
-        _same_rows(fq.quant_rows(*args), _torch_path(fq.quant_rows, *args))
+    assert fq._rows_per_step(2100) == 2
+    _same_rows(fq.quant_rows(x), _torch_path(fq.quant_rows, x))
 
 
-def test_rows_gathered_scaled_with_dot():
-    x = _inputs(20, 100, 4)  # tokens
-    g = torch.Generator().manual_seed(5)
-    src = torch.randint(0, 20, (64,), generator=g)
-    mul = torch.rand(64, generator=g).to(torch.bfloat16)
-    mul[7] = 0  # a pad row
-    y = _inputs(64, 100, 6)
-    got = fq.quant_rows(x, src, mul, dot_with_RC=y)
-    want = _torch_path(fq.quant_rows, x, src, mul, dot_with_RC=y)
-    _same_rows(got, want)
-    torch.testing.assert_close(got.dot, want.dot, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got.q[7].float(), torch.zeros(100))
-    # the rows are x[src] * mul: same scales as quantising the materialised rows
-    torch.testing.assert_close(got.scale, _torch_path(fq.quant_rows, x[src].float() * mul.float()[:, None]).scale)
+def test_token_rows_without_column_maxima():
+    x = _inputs(21, 2100, 4)  # 21 tokens: any row count (an odd one in a two-row step)
+    got, want = fq.quant_rows(x, colmax=False), _torch_path(fq.quant_rows, x, colmax=False)
+    assert got.colmax is None and want.colmax is None
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-5, atol=0)
+    _same_fp8(got.q, want.q)
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_cols_transposed_grouped(swiglu):
+def test_transpose_groups():
+    counts = [16, 0, 144, 32, 304]  # empty group, groups across tile and padding boundaries
+    starts = fq.padded_starts(counts)
+    tok = fq.quant_rows(_inputs(70, 100, 2), colmax=False)  # tokens, gathered into routed rows
+    src = torch.randint(0, 70, (sum(counts),), generator=torch.Generator().manual_seed(6))
+    own = fq.quant_rows(_inputs(sum(counts), 100, 3))  # rows in place
+    for rows, s in ((tok, src), (own, None)):
+        got, want = fq.transpose_groups(rows.q, counts, s, rows.scale), _torch_path(
+            fq.transpose_groups, rows.q, counts, s, rows.scale)
+        assert got.t.shape == (100, starts[-1])
+        assert torch.equal(got.t.view(torch.uint8), want.t.view(torch.uint8))  # moved bytes: exact
+        v = rows.q.float() if s is None else rows.q.float()[s]
+        assert torch.equal(got.q.float(), v) and torch.equal(got.scale, rows.scale if s is None else rows.scale[s])
+        assert torch.equal(got.t.float()[:, starts[2]:starts[2] + 144], v[16:160].t())
+        assert torch.count_nonzero(got.t.float()[:, starts[2] + 144:starts[3]]) == 0  # the padding
+
+
+@pytest.mark.parametrize("mul,swiglu", [(False, False), (True, False), (True, True)])
+def test_cols_transposed_grouped(mul, swiglu):
     counts = [16, 0, 144, 32, 304]  # empty group, groups across tile and padding boundaries
     x = _inputs(sum(counts), 70 * (2 if swiglu else 1), 2)
-    rows = (fq.swiglu_quant_rows if swiglu else fq.quant_rows)(x)
-    (q, s), (q0, s0) = (f(x, counts, rows.colmax, swiglu=swiglu) for f in (fq.quant_cols_t, _torch_cols))
+    g = torch.Generator().manual_seed(7)
+    m = torch.rand(sum(counts), generator=g) if mul else None
+    if swiglu:  # h's column maxima come from the SwiGLU backward's row pass (kernel), as in the block
+        dh = _inputs(sum(counts), 70, 8)
+        colmax = fq.swiglu_bwd_quant_rows(dh, x, torch.ones(sum(counts)), m)[2]
+    else:
+        colmax = fq._colmax(x.float().abs(), m)
+    (q, s), (q0, s0) = (f(x, counts, colmax, mul_R=m, swiglu=swiglu) for f in (fq.quant_cols_t, _torch_cols))
     starts = fq.padded_starts(counts)
     assert q.shape == (70, starts[-1]) and all(p % fq.COL_ALIGN == 0 for p in starts)
     torch.testing.assert_close(s, s0, rtol=1e-6, atol=0)
-    v = fq._values(x, swiglu=swiglu)
+    v = fq._values(x, m, swiglu)
     torch.testing.assert_close(s[2], v[16:160].abs().amax(0) / 448, rtol=1e-5, atol=0)  # the group's own maximum
     _same_fp8(q, q0)  # padding columns included: zeros in both
-
-
-def test_cols_gathered_scaled():
-    x = _inputs(30, 70, 7)
-    counts = [48, 0, 16]
-    g = torch.Generator().manual_seed(8)
-    src = torch.randint(0, 30, (64,), generator=g)
-    mul = torch.rand(64, generator=g)
-    rows = fq.quant_rows(x, src, mul)
-    (q, s), (q0, s0) = (f(x, counts, rows.colmax, src_R=src, mul_R=mul) for f in (fq.quant_cols_t, _torch_cols))
-    torch.testing.assert_close(s, s0, rtol=1e-6, atol=0)
-    _same_fp8(q, q0)
-    v = x[src].float() * mul[:, None]  # the same as quantising the gathered, scaled rows
-    (q1, s1) = _torch_cols(v, counts, _torch_path(fq.quant_rows, v).colmax)
-    torch.testing.assert_close(s, s1, rtol=1e-6, atol=0)
-    _same_fp8(q, q1)
 
 
 def _torch_cols(*args, **kw):
@@ -132,4 +152,18 @@ def test_cols_stacked_weights():
     (q, s), (q0, s0) = (f(w, [48] * 3, colmax, stacked=True) for f in (fq.quant_cols_t, _torch_cols))
     assert q.shape == (3, 40, 48)
     assert torch.equal(s, s0)
+    _same_fp8(q, q0)
+
+
+def test_interleaved_weights():
+    """W1 and W3 [E*F, D] read as one [E, 2F, D] weight: the same as quantising their concatenation."""
+    e, f, d = 3, 64, 2100
+    w1, w3 = _inputs(e * f, d, 12), _inputs(e * f, d, 13)
+    cat = torch.cat([w1.view(e, f, d), w3.view(e, f, d)], dim=1).reshape(e * 2 * f, d)
+    rows = fq.quant_rows(w1, interleave=(w3, f))
+    _same_rows(rows, _torch_path(fq.quant_rows, cat))
+    (q, s), (q0, s0) = (fn(*args, [2 * f] * e, rows.colmax, stacked=True, **kw) for fn, args, kw in (
+        (fq.quant_cols_t, (w1,), {"interleave": (w3, f)}), (_torch_cols, (cat,), {})))
+    assert q.shape == (e, d, 2 * f)
+    torch.testing.assert_close(s, s0, rtol=1e-6, atol=0)
     _same_fp8(q, q0)

@@ -11,16 +11,27 @@ also the row block of the quantisation's column maxima): the routed experts pad 
 expert's group (pad rows carry score 0), the shared expert pads its tokens.
 
 The routed experts' fp8 function spans the dispatch and the combine as well (`Route`): the
-routed rows are quantised straight from the tokens and the routed output gradient straight
-from the block's output gradient, so no bf16 [routed rows, dim] tensor is written besides
-the expert output that the combine reads (before: a bf16 gather of x, its row quantisation,
-the combine backward's bf16 gradient write and that gradient's row quantisation, each a
-pass over 524288 x 7168 values per Kimi-K2 step at 64k tokens).
+tokens are quantised once by rows and their fp8 rows gathered into the routed layout, and
+so is the block's output gradient in the backward, so no bf16 [routed rows, dim] tensor is
+written besides the expert output that the combine reads.
 
-Scales: activations per row (per routed row, over the contraction dimension); weights per
-output channel; weight gradients per (expert, channel) over the expert's rows. Weights are
-quantised once per weight version (four layouts: W1|W3 and W2, each as stored and
-transposed) and reused until a parameter changes. Quantisation kernels: `fp8_quant.py`.
+Scales: activations per row (per routed row, over the contraction dimension: a routed row's
+scale is its token's); weights per output channel; weight gradients per (expert, channel)
+over the expert's rows on one side and per row on the other:
+dW13_e = sum_r (dg13[r] s_x[r])^T xq[r] and dW2_e = sum_r gq[r]^T (h[r] score[r] s_g[r]),
+where xq / gq are the fp8 rows of x / g that the GEMMs of x W13^T and dy W2 use (moved into
+the transposed per-expert layout, not quantised again) and s_x / s_g their row scales,
+folded into the column quantisation of dg13 / h. So neither x nor dy is quantised by
+columns (at Kimi-K2's 64k tokens those passes read [524288, 7168] bf16 through the gather
+index, 4.7 and 5.1 ms), and h's column pass reads g13 once the backward knows s_g.
+
+The score gradient <g[t], y[r]> (row r of token t) is computed as <dh[r], h[r]> with dh the
+gradient of y[r] / score[r] = h[r] W2^T: the W2 input gradient runs on the unscaled rows
+g[src[r]] and the SwiGLU backward kernel, which reads h's inputs anyway, scales dh by the
+score and takes the dot. y is not saved for the backward (7.5 GB at that size) nor re-read.
+
+Weights are quantised once per weight version (four layouts: W1|W3 and W2, each as stored
+and transposed) and reused until a parameter changes. Quantisation kernels: `fp8_quant.py`.
 
 `to_fp8(model)` switches every MoE layer of a titan_ext model to this path in place.
 """
@@ -35,7 +46,8 @@ from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE, RoutedExperts
 
 from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts, _local, gather_sum, lean_permutation
-from .fp8_quant import ROW_BLOCK, padded_starts, quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows
+from .fp8_quant import (
+    ROW_BLOCK, padded_starts, quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows, transpose_groups)
 
 
 ROW_MULTIPLE = ROW_BLOCK
@@ -58,14 +70,14 @@ def _weights_key(ws) -> tuple:
 
 def quantise_weights(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> Fp8Weights:
     e, f, d = w1_EFD.shape
-    w13 = torch.cat([w1_EFD, w3_EFD], dim=1).reshape(e * 2 * f, d)
+    w1, w3 = w1_EFD.reshape(e * f, d), w3_EFD.reshape(e * f, d)  # read as [W1_e; W3_e] per expert
     w2 = w2_EDF.reshape(e * d, f)
-    r13, r2 = quant_rows(w13), quant_rows(w2)
+    r13, r2 = quant_rows(w1, interleave=(w3, f)), quant_rows(w2)
     return Fp8Weights(
         key=_weights_key((w1_EFD, w3_EFD, w2_EDF)),
         w13=(r13.q.view(e, 2 * f, d), r13.scale.view(e, 2 * f)),
         w2=(r2.q.view(e, d, f), r2.scale.view(e, d)),
-        w13_t=quant_cols_t(w13, [2 * f] * e, r13.colmax, stacked=True),
+        w13_t=quant_cols_t(w1, [2 * f] * e, r13.colmax, stacked=True, interleave=(w3, f)),
         w2_t=quant_cols_t(w2, [d] * e, r2.colmax, stacked=True),
     )
 
@@ -99,16 +111,20 @@ def _rows_mm(a_RK, sa_R, b, counts: list[int], dtype) -> torch.Tensor:
 
 
 def _wgrad_mm(a_t, b_t, counts: list[int], out: torch.Tensor, rows: slice = slice(None)) -> None:
-    """out[e] = a_e^T b_e over expert e's rows, from `quant_cols_t` layouts (a_t rows `rows` only)."""
+    """out[e] = a_e^T b_e over expert e's rows: a_t, b_t = (q, scale [G, n]) from `quant_cols_t`
+    or (q, None) from `transpose_groups` (scale 1: its row scales are folded into the other
+    operand); a_t's rows `rows` only."""
     (aq, as_), (bq, bs) = a_t, b_t
+    ones = torch.ones(max(aq.size(0), bq.size(0)), dtype=torch.float32, device=aq.device)
     starts = padded_starts(counts)
     for e in range(len(counts)):
         p0, p1 = starts[e], starts[e + 1]
         if p1 == p0:
             out[e].zero_()
             continue
-        torch._scaled_mm(aq[rows, p0:p1], bq[:, p0:p1].t(), as_[e, rows][:, None], bs[e][None, :],
-                         out_dtype=out.dtype, out=out[e])
+        sa = ones[:out.size(1)] if as_ is None else as_[e, rows]
+        sb = ones[:out.size(2)] if bs is None else bs[e]
+        torch._scaled_mm(aq[rows, p0:p1], bq[:, p0:p1].t(), sa[:, None], sb[None, :], out_dtype=out.dtype, out=out[e])
 
 
 @dataclass(frozen=True)
@@ -125,61 +141,63 @@ class _Fp8SwiGLU(torch.autograd.Function):
 
     With a route the function spans dispatch and combine too: row r is x[src[r]] and the
     output is out[t] = sum_k scores[t, k] y[slot[t, k]]. Owning both ends lets the dispatch
-    move fp8 rows quantised straight from the tokens, and the backward quantise the routed
-    output gradient s[r] * g[src[r]] from g without writing it (the bf16 routed copy of x,
-    its row pass, and the combine backward's [rows, dim] write are gone).
+    move fp8 rows of the tokens quantised once, and the backward quantise the routed output
+    gradient's rows g[src[r]] from g without writing them (the bf16 routed copy of x, its row
+    pass, and the combine backward's [rows, dim] write are gone); the score multiplies dh in
+    the SwiGLU backward, which also gives the score gradient (module docstring).
     """
 
     @staticmethod
     def forward(ctx, x_TD, scores_TK, w1_EFD, w3_EFD, w2_EDF, wq: Fp8Weights, counts: list[int],
                 route: Route | None):
         # w1/w3/w2 are inputs so that autograd hands them their gradients; wq holds their fp8 values.
-        src = None if route is None else route.src_R
         dtype = x_TD.dtype
-        x8 = quant_rows(x_TD, src)
-        g13 = _rows_mm(x8.q, x8.scale, wq.w13, counts, dtype)
+        x8 = quant_rows(x_TD, colmax=False)  # the tokens (route) or the rows
+        xg = transpose_groups(x8.q, counts, None if route is None else route.src_R, x8.scale)
+        del x8
+        g13 = _rows_mm(xg.q, xg.scale, wq.w13, counts, dtype)
         h8 = swiglu_quant_rows(g13)
         y = _rows_mm(h8.q, h8.scale, wq.w2, counts, dtype)
-        xq_t, xs_t = quant_cols_t(x_TD, counts, x8.colmax, src_R=src)  # for the W1|W3 gradient
         ctx.wq, ctx.counts, ctx.route = wq, counts, route
         ctx.w_dtypes = (w1_EFD.dtype, w3_EFD.dtype, w2_EDF.dtype)
+        ctx.save_for_backward(g13, xg.t, xg.scale)  # xg.t: W1|W3's weight gradient, with x's row scales
         if route is None:
-            ctx.save_for_backward(g13, xq_t, xs_t, h8.colmax, None, None)
             return y
-        ctx.save_for_backward(g13, xq_t, xs_t, h8.colmax, y, scores_TK)  # y: the score gradient
+        ctx.scores_meta = (scores_TK.shape, scores_TK.dtype)
         return gather_sum(y, route.slot_TK, scores_TK)
 
     @staticmethod
     def backward(ctx, grad_out):
-        g13, xq_t, xs_t, h_colmax, y, scores_TK = ctx.saved_tensors
+        g13, xq_t, s_x = ctx.saved_tensors
         wq, counts, route = ctx.wq, ctx.counts, ctx.route
-        grad_out = grad_out.contiguous()
         dtype = grad_out.dtype
-        src = mul = None
-        if route is None:
-            dy8 = quant_rows(grad_out)
-        else:  # dy[r] = s[r] g[src[r]]; dot[r] = <g[src[r]], y[r]>, the gradient of s[r]
-            src, mul = route.src_R, route.score_R
-            dy8 = quant_rows(grad_out, src, mul, dot_with_RC=y)
-            del y
-        dh = _rows_mm(dy8.q, dy8.scale, wq.w2_t, counts, dtype)
-        dg13, dg8 = swiglu_bwd_quant_rows(dh, g13)
+        src = score = None
+        if route is not None:  # dy[r] = score[r] g[src[r]]: rows g[src[r]] here, the score in the SwiGLU backward
+            src, score = route.src_R, route.score_R
+        g8 = quant_rows(grad_out.contiguous(), colmax=False)
+        gg = transpose_groups(g8.q, counts, src, g8.scale)  # rows g[src[r]] and, transposed, W2's gradient
+        del g8
+        dh = _rows_mm(gg.q, gg.scale, wq.w2_t, counts, dtype)  # the gradient of y / score
+        # dW2 = sum_r (score[r] g[src[r]])^T h[r] = sum_r gq[r]^T (h[r] score[r] s_g[r])
+        hmul = gg.scale if score is None else gg.scale * score.float()
+        dg13, dg8, h_colmax = swiglu_bwd_quant_rows(dh, g13, s_x, hmul, score)
         del dh
         dx = _rows_mm(dg8.q, dg8.scale, wq.w13_t, counts, dtype)
         e, f, d = len(counts), g13.size(1) // 2, grad_out.size(1)
         dw2 = torch.empty(e, d, f, dtype=dtype, device=grad_out.device)
-        _wgrad_mm(quant_cols_t(grad_out, counts, dy8.colmax, src_R=src, mul_R=mul),
-                  quant_cols_t(g13, counts, h_colmax, swiglu=True), counts, dw2)
-        dg_t = quant_cols_t(dg13, counts, dg8.colmax)
-        del dg13, dg8
+        _wgrad_mm((gg.t, None), quant_cols_t(g13, counts, h_colmax, mul_R=hmul, swiglu=True), counts, dw2)
+        del gg
+        dg_t = quant_cols_t(dg13, counts, dg8.colmax, mul_R=s_x)  # dW13 = sum_r (dg13[r] s_x[r])^T xq[r]
+        del dg13
         dw1, dw3 = (torch.empty(e, f, d, dtype=dtype, device=grad_out.device) for _ in range(2))
-        _wgrad_mm(dg_t, (xq_t, xs_t), counts, dw1, slice(0, f))
-        _wgrad_mm(dg_t, (xq_t, xs_t), counts, dw3, slice(f, 2 * f))
+        _wgrad_mm(dg_t, (xq_t, None), counts, dw1, slice(0, f))
+        _wgrad_mm(dg_t, (xq_t, None), counts, dw3, slice(f, 2 * f))
         grads = (g.to(dt) for g, dt in zip((dw1, dw3, dw2), ctx.w_dtypes))
         grad_scores = None
         if route is not None:  # the dispatch's backward, and the combine's score gradient
             dx = gather_sum(dx, route.slot_TK)
-            grad_scores = dy8.dot.index_select(0, route.slot_TK.reshape(-1)).view_as(scores_TK).to(scores_TK.dtype)
+            shape, sdtype = ctx.scores_meta
+            grad_scores = dg8.dot.index_select(0, route.slot_TK.reshape(-1)).view(shape).to(sdtype)
         return dx, grad_scores, *grads, None, None, None
 
 
