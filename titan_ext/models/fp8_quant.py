@@ -60,7 +60,8 @@ _MIN_AMAX = 1e-12
 class Rows(NamedTuple):
     q: torch.Tensor  # [R, C] fp8
     scale: torch.Tensor  # [R] fp32: row r ~= q[r] * scale[r]
-    colmax: torch.Tensor | None = None  # [R / ROW_BLOCK, C] fp32: max |v[r]| * colmul[r] per column and block
+    # [R / ROW_BLOCK, C] fp32: max |v[r]| * colmul[r] per column and block of rows (colmul = 1 in quant_rows)
+    colmax: torch.Tensor | None = None
     dot: torch.Tensor | None = None  # [R] fp32: swiglu_bwd_quant_rows' score gradient
 
 
