@@ -159,11 +159,10 @@ def measure(ids, e, source, detail, moe_layers=None):
 def serving_overhead(quick: bool, control: bool = False) -> dict:
     """Throughput of one server with capture on and off, same workload.
 
-    Two identical servers started side by side differ by themselves, by up to
-    +-13% in the A/A control (`--aa`: both with capture off), persistently
-    for the pair's lifetime (its model runner's steps are longer, not its
-    request handling), and which of the two is slower changes from pair to
-    pair. So one pair cannot resolve a cost of a few percent: the run starts
+    Two identical servers started side by side differ by themselves for the
+    pair's lifetime (the A/A control, `--aa`: both with capture off; pairs
+    several percent apart), and which of the two is slower changes from pair
+    to pair. So one pair cannot resolve a cost of a few percent: the run starts
     several fresh pairs (sessions), alternating which one starts first, and the
     headline is the mean over sessions of each session's median paired cost,
     with its standard error over sessions.
