@@ -336,6 +336,17 @@ if triton is not None:
             shift = 0
         return shift
 
+    @triton.jit
+    def _group_span(rows_ptr, G: tl.constexpr, PAD: tl.constexpr):
+        """Group program_id(0) of a transposed layout: its input rows [start, end), the end of
+        their zero padding to a multiple of PAD, and its first output column. rows_ptr: [2, G+1]
+        int64, the padded output starts (`padded_starts`), then the input row starts."""
+        g = tl.program_id(0)
+        start = tl.load(rows_ptr + G + 1 + g)
+        end = tl.load(rows_ptr + G + 2 + g)
+        pend = start + (end - start + PAD - 1) // PAD * PAD
+        return start, end, pend, tl.load(rows_ptr + g)
+
     # The row kernels run one program per ROW_BLOCK rows (the block of one column-maximum row),
     # rows whole in registers; `_quant_rows_kernel` loads P rows per step as one tile, P chosen by
     # `_rows_per_step`.
@@ -433,12 +444,10 @@ if triton is not None:
                              STACKED: tl.constexpr, SWIGLU: tl.constexpr, PAD: tl.constexpr,
                              ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_B: tl.constexpr):
-        # rows_ptr: [2, G+1] int64: padded output starts, then input row starts (cumulative counts).
         g = tl.program_id(0)
+        start, end, pend, col0 = _group_span(rows_ptr, G, PAD)  # the zero padding is written too
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        start = tl.load(rows_ptr + G + 1 + g)
-        end = tl.load(rows_ptr + G + 2 + g)
         amax = tl.zeros([BLOCK_C], dtype=tl.float32)
         for b0 in range(start // ROW_BLOCK, end // ROW_BLOCK, BLOCK_B):  # the row pass's column maxima
             b = b0 + tl.arange(0, BLOCK_B)
@@ -450,8 +459,7 @@ if triton is not None:
         if STACKED:
             out0 = g.to(tl.int64) * GROUP_STRIDE
         else:
-            out0 = tl.load(rows_ptr + g)
-        pend = start + (end - start + PAD - 1) // PAD * PAD  # the zero padding is written too
+            out0 = col0
         for r0 in range(start, pend, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             rmask = rows < end
@@ -470,14 +478,10 @@ if triton is not None:
     def _transpose_groups_kernel(q_ptr, s_ptr, src_ptr, rows_ptr, out_q_ptr, out_s_ptr, t_ptr, C, OUT_N,
                                  G: tl.constexpr, GATHER: tl.constexpr, PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                                  BLOCK_C: tl.constexpr):
-        # Bytes only (fp8 as uint8). rows_ptr as in _quant_cols_t_kernel.
-        g = tl.program_id(0)
+        # Bytes only (fp8 as uint8).
+        start, end, pend, out0 = _group_span(rows_ptr, G, PAD)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        start = tl.load(rows_ptr + G + 1 + g)
-        end = tl.load(rows_ptr + G + 2 + g)
-        out0 = tl.load(rows_ptr + g)
-        pend = start + (end - start + PAD - 1) // PAD * PAD
         for r0 in range(start, pend, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             rmask = rows < end
