@@ -14,6 +14,26 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+def ulp(dtype, magnitude: float) -> float:
+    """The spacing of `dtype` (a torch floating dtype) at `magnitude`: one unit in the last place.
+
+    Tolerances on bf16/fp16 data are written as a count of these, at the magnitude of the values
+    compared, because a kernel may round differently on another processor; a fixed `atol` tuned on
+    one machine is one ulp too tight on the next."""
+    import math
+
+    import torch
+
+    info = torch.finfo(dtype)
+    magnitude = max(abs(float(magnitude)), info.tiny)
+    return info.eps * 2.0 ** math.floor(math.log2(magnitude))
+
+
+def ulp_tol(dtype, reference, ulps: float) -> float:
+    """Absolute tolerance of `ulps` units of `dtype` at the largest magnitude in `reference` (a tensor)."""
+    return ulps * ulp(dtype, reference.detach().abs().max().item())
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(arch, init_scale=0.02, dtype="float32") -> Path, cached per argument set."""
