@@ -26,6 +26,12 @@ def test_hash_vectors():
         assert hash64(h["input"]) == int(h["hash64"])
 
 
+def _assert_close_lists(got, want, endpoints: int):
+    """One value per endpoint of the case, each within the 1e-12 the Go port is held to."""
+    assert len(got) == len(want) == endpoints > 0, (got, want)
+    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(got, want)), (got, want)
+
+
 @pytest.mark.parametrize("case", DOC["cases"], ids=lambda c: c["name"])
 def test_case(case):
     params = ScorerParams.from_plugin_parameters(case["params"])
@@ -33,9 +39,9 @@ def test_case(case):
     res = score(eps, RequestInfo(case["request"]["affinityKey"]), params, with_components=True)
     exp = case["expected"]
     for c in COMPONENTS:
-        assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(res.components[c], exp["components"][c]))
-    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(res.totals, exp["totals"]))
-    assert all(math.isclose(a, b, abs_tol=1e-12) for a, b in zip(res.normalized, exp["normalized"]))
+        _assert_close_lists(res.components[c], exp["components"][c], len(eps))
+    _assert_close_lists(res.totals, exp["totals"], len(eps))
+    _assert_close_lists(res.normalized, exp["normalized"], len(eps))
     assert (None if res.pick is None else eps[res.pick].name) == exp["pick"]
     assert (None if res.home is None else eps[res.home].name) == exp["home"]
     if "intendedPick" in case:
