@@ -54,14 +54,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_rl(args: argparse.Namespace) -> int:
     import asyncio
 
-    from rl_loop.config import RLConfig
+    from rl_loop.config import RLConfig, parse_overrides
     from rl_loop.orchestrator import Orchestrator, TrainerExited
 
-    overrides = {}
-    for item in args.set or []:
-        key, _, raw = item.partition("=")
-        overrides[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false") or _is_number(raw) else raw
-    config = RLConfig.from_toml(args.config, overrides)
+    config = RLConfig.from_toml(args.config, parse_overrides(args.set or []))
     try:
         summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
     except TrainerExited as e:
@@ -83,14 +79,6 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
           f"with replay (floor {r['kl_floor']:.3e}), max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}, "
           f"extreme {r['extreme_frac_no_replay']:.2e} -> {r['extreme_frac_replay']:.2e}; written to {args.json_out}")
     return 0
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
 
 
 def build_parser() -> argparse.ArgumentParser:

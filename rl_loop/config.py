@@ -1,105 +1,146 @@
-"""`moerl rl` configuration: typed dataclasses read from TOML.
+"""`moerl rl` configuration: typed dataclasses read from TOML and `--set KEY=VALUE`.
 
-Every knob has a default and a help text (shown by `moerl rl --help`). Unknown
-sections or keys are errors, not silently ignored: a typo in a config must not
-quietly run the default.
+Every knob has a type, a default, a range where one makes sense and a help text
+(shown by `moerl rl --help`); pydantic checks them. Types are strict: a typo or a
+wrong type in a config must not quietly run something else (10.9 steps is an
+error, not 10 steps), unknown sections or keys are errors, and floats must be
+finite.
+
+`--set` values: a text field (`str`) takes the text as given, so `--set train.cpus=`
+sets the empty string; any other field reads it as a TOML value (`10`, `1e-3`,
+`false`, `[...]`, `{turns = 2}`), and text that is no TOML value stays text (and is
+then refused by a field that is not text).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import AfterValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter
+from pydantic import ValidationError
+from pydantic.dataclasses import dataclass
+
+from .placement import parse_cpus
+
+CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-def knob(default, help: str, **kw):
-    return field(default=default, metadata={"help": help}, **kw)
+class ConfigError(ValueError):
+    """A config that does not validate; the message is one line naming the key."""
 
 
-@dataclass
+def knob(default, help: str, **constraints):
+    """A config field: its default, its help text and pydantic constraints (ge, gt, ...)."""
+    if callable(default):
+        return Field(default_factory=default, description=help, **constraints)
+    return Field(default, description=help, **constraints)
+
+
+def _cores_on_this_machine(spec: str) -> str:
+    if spec in ("", "auto"):
+        return spec
+    n = os.cpu_count() or 1
+    highest = max(parse_cpus(spec))
+    if highest >= n:
+        raise ValueError(f"{spec!r} names core {highest}; this machine has {n} cores (0-{n - 1})")
+    return spec
+
+
+# '' (no pinning), 'auto', or a core list such as '0-3,6' within os.cpu_count()
+CpuList = Annotated[StrictStr, AfterValidator(_cores_on_this_machine)]
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+
+
+@dataclass(config=CONFIG)
 class ModelConfig:
-    arch: str = knob("kimi_k2", "titan_ext model (kimi_k2, glm5) the trainer runs")
-    flavor: str = knob("tiny", "titan_ext flavor; `tiny` makes its own random checkpoint")
-    checkpoint: str = knob("", "HF checkpoint directory to start from; empty: make a tiny one in the run dir")
-    init_scale: float = knob(0.1, "weight std of the generated tiny checkpoint (0.1: routing matters)")
-    inference_dtype: str = knob("bfloat16", "dtype of the vLLM replicas (bfloat16 or float32)")
+    arch: StrictStr = knob("kimi_k2", "titan_ext model (kimi_k2, glm5) the trainer runs")
+    flavor: StrictStr = knob("tiny", "titan_ext flavor; `tiny` makes its own random checkpoint")
+    checkpoint: StrictStr = knob("", "HF checkpoint directory to start from; '' (--set model.checkpoint=): make a "
+                                     "tiny one in the run dir")
+    init_scale: StrictFloat = knob(0.1, "weight std of the generated tiny checkpoint (0.1: routing matters)", gt=0)
+    inference_dtype: Literal["bfloat16", "float32"] = knob("bfloat16", "dtype of the vLLM replicas")
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class InferenceConfig:
-    replicas: int = knob(2, "vLLM replicas to start as managed subprocesses (0: use `endpoints`)")
-    endpoints: list[str] = field(
-        default_factory=list, metadata={"help": "existing vLLM/llm-d base URLs, e.g. http://10.0.0.5:8000"}
-    )
-    base_port: int = knob(18400, "first port of the managed replicas")
-    max_num_seqs: int = knob(64, "vLLM --max-num-seqs of each managed replica")
-    kv_cache_gib: float = knob(1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM")
-    enforce_eager: bool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up: faster start)")
-    request_timeout_s: float = knob(120.0, "per-request timeout; a replica that times out is marked down")
-    cpus: str = knob(
+    replicas: StrictInt = knob(2, "vLLM replicas to start as managed subprocesses (0: use `endpoints`)", ge=0)
+    endpoints: list[StrictStr] = knob(list, "existing vLLM/llm-d base URLs, e.g. ['http://10.0.0.5:8000']")
+    base_port: Port = knob(18400, "first port of the managed replicas")
+    max_num_seqs: StrictInt = knob(64, "vLLM --max-num-seqs of each managed replica", ge=1)
+    kv_cache_gib: StrictFloat = knob(
+        1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM", gt=0)
+    enforce_eager: StrictBool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up)")
+    request_timeout_s: StrictFloat = knob(120.0, "per-request timeout; a replica that times out is marked down", gt=0)
+    cpus: CpuList = knob(
         "auto",
         "CPU cores of the managed replicas, e.g. '2-3' (split between replicas when there are enough); "
-        "'auto': the cores the trainer does not get; '': no pinning",
+        "'auto': the cores the trainer does not get; '' (--set inference.cpus=): no pinning",
     )
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class RolloutConfig:
-    task: str = knob(
+    task: StrictStr = knob(
         "charclass",
         "built-in task (charclass; charclass_turns: multi-turn), or verifiers:<environment id> (a verifiers "
         "environment, loaded with verifiers.load_environment; needs moerl[verifiers])",
+        min_length=1,
     )
-    task_args: dict = field(
-        default_factory=dict,
-        metadata={"help": "keyword arguments of the task: the built-in's options (charclass_turns: turns) or the "
-                          "verifiers environment's load_environment arguments; e.g. {turns = 2}"},
+    task_args: dict[StrictStr, Any] = knob(
+        dict,
+        "keyword arguments of the task: the built-in's options (charclass_turns: turns) or the verifiers "
+        "environment's load_environment arguments; e.g. {turns = 2}",
     )
-    chat_format: str = knob(
+    chat_format: Literal["auto", "plain", "template"] = knob(
         "auto",
         "verifiers environments: how chat messages become tokens; 'plain' (role: text lines), 'template' (the "
         "tokenizer's chat template), 'auto' (template when the tokenizer has one)",
     )
-    prompts_per_step: int = knob(8, "GRPO groups per step")
-    samples_per_prompt: int = knob(8, "completions per prompt (group size)")
-    max_tokens: int = knob(8, "completion length (per model turn in multi-turn tasks)")
-    temperature: float = knob(1.0, "sampling temperature")
-    max_off_policy_steps: int = knob(
+    prompts_per_step: StrictInt = knob(8, "GRPO groups per step", ge=1)
+    samples_per_prompt: StrictInt = knob(8, "completions per prompt (group size)", ge=1)
+    max_tokens: StrictInt = knob(8, "completion length (per model turn in multi-turn tasks)", ge=1)
+    temperature: StrictFloat = knob(1.0, "sampling temperature (0: greedy)", ge=0)
+    max_off_policy_steps: StrictInt = knob(
         1,
         "how many policy versions a group may lag the trainer: rollouts for step n may be generated by "
         "policy n-1-k for k <= this; 0 is synchronous; older groups are dropped and counted",
+        ge=0,
     )
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class TrainConfig:
-    steps: int = knob(40, "optimizer steps")
-    lr: float = knob(1e-3, "AdamW learning rate")
-    replay: bool = knob(True, "router replay: the trainer uses the experts inference chose")
-    max_ratio: float = knob(2.0, "tokens with p_train/p_infer outside [1/r, r] are masked from the loss")
-    normalize_std: bool = knob(False, "divide group advantages by the group's reward std")
-    checkpoint_interval: int = knob(5, "TorchTitan checkpoint every K steps (for --resume)")
-    nproc: int = knob(1, "trainer processes (torchrun --nproc_per_node)")
-    cpus: str = knob(
+    steps: StrictInt = knob(40, "optimizer steps", ge=1)
+    lr: StrictFloat = knob(1e-3, "AdamW learning rate", gt=0)
+    replay: StrictBool = knob(True, "router replay: the trainer uses the experts inference chose")
+    max_ratio: StrictFloat = knob(2.0, "tokens with p_train/p_infer outside [1/r, r] are masked from the loss", gt=1)
+    normalize_std: StrictBool = knob(False, "divide group advantages by the group's reward std")
+    checkpoint_interval: StrictInt = knob(5, "TorchTitan checkpoint every K steps (for --resume)", ge=1)
+    nproc: StrictInt = knob(1, "trainer processes (torchrun --nproc_per_node)", ge=1)
+    cpus: CpuList = knob(
         "auto",
         "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "
-        "replicas are auto too (trainer and inference on disjoint cores, so async steps overlap); '': no pinning",
+        "replicas are auto too (trainer and inference on disjoint cores, so async steps overlap); '' "
+        "(--set train.cpus=): no pinning",
     )
 
 
-@dataclass
+@dataclass(config=CONFIG)
 class RLConfig:
-    run_dir: str = knob("outputs/rl", "where logs, plots, batches, weights and checkpoints go")
-    seed: int = knob(0, "seed for prompts, sampling and the tiny checkpoint")
-    model: ModelConfig = field(default_factory=ModelConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    run_dir: StrictStr = knob("outputs/rl", "where logs, plots, batches, weights and checkpoints go", min_length=1)
+    seed: StrictInt = knob(0, "seed for prompts, sampling and the tiny checkpoint", ge=0)
+    model: ModelConfig = knob(ModelConfig, "")
+    inference: InferenceConfig = knob(InferenceConfig, "")
+    rollout: RolloutConfig = knob(RolloutConfig, "")
+    train: TrainConfig = knob(TrainConfig, "")
 
     @classmethod
-    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "RLConfig":
+    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RLConfig:
+        """The config in `path` with `overrides` (dotted key -> value) applied on top; ConfigError if invalid."""
         with open(path, "rb") as f:
             data = tomllib.load(f)
         for dotted, value in (overrides or {}).items():
@@ -107,52 +148,98 @@ class RLConfig:
             node = data
             for p in parents:
                 node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{dotted}: {p} is not a table")
             node[leaf] = value
-        return _build(cls, data, "")
+        try:
+            return TypeAdapter(cls).validate_python(data)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e)) from None
 
 
-def _build(cls, data: dict[str, Any], where: str):
-    if not isinstance(data, dict):
-        raise ValueError(f"[{where or 'top level'}] must be a table, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in [{where or 'top level'}]; known: {sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        f = fields[name]
-        if name in _SECTIONS.get(cls, {}):
-            kwargs[name] = _build(_SECTIONS[cls][name], value, f"{where}.{name}".strip("."))
+def _fields(cls) -> dict:
+    """Field name -> pydantic FieldInfo (annotation, default, constraints, help)."""
+    return cls.__pydantic_fields__
+
+
+SECTIONS = {name: info.annotation for name, info in _fields(RLConfig).items() if dataclasses.is_dataclass(info.annotation)}
+
+
+def _section_of(path: tuple[str, ...]):
+    """The dataclass that holds key `path[-1]` (None when the path leads into a plain table such as task_args)."""
+    cls = RLConfig
+    for part in path[:-1]:
+        info = _fields(cls).get(part)
+        if info is None or not dataclasses.is_dataclass(info.annotation):
+            return None
+        cls = info.annotation
+    return cls
+
+
+def _one_line(e: ValidationError) -> str:
+    msgs = []
+    for err in e.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc) or "top level"
+        if err["type"] == "unexpected_keyword_argument":
+            section = _section_of(loc)
+            known = ", ".join(_fields(section)) if section else ""
+            msgs.append(f"{key}: unknown key (known: {known})")
+        elif err["type"] == "value_error":
+            msgs.append(f"{key}: {err['ctx']['error']}")
+        elif err["type"] in ("dict_type", "dataclass_type"):  # the user wrote TOML: say it in TOML's words
+            msgs.append(f"{key}: must be a table, got {err['input']!r}")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if isinstance(default, dict) and not isinstance(value, dict):
-                raise ValueError(f"{where}.{name} must be a table, got {value!r}")
-            if isinstance(default, bool) and not isinstance(value, bool):
-                raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise ValueError(f"{where}.{name} must be a number, got {value!r}")
-                value = type(default)(value)
-            kwargs[name] = value
-    return cls(**kwargs)
+            msgs.append(f"{key}: {err['msg']}, got {err['input']!r}")
+    return "; ".join(msgs)
 
 
-_SECTIONS = {
-    RLConfig: {"model": ModelConfig, "inference": InferenceConfig, "rollout": RolloutConfig, "train": TrainConfig},
-}
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items -> {dotted key: value} (see the module docstring for how values are read)."""
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=10")
+        section = _section_of(tuple(key.split(".")))
+        info = _fields(section).get(key.rsplit(".", 1)[-1]) if section else None
+        out[key] = raw if info is not None and info.annotation is str else _toml_value(raw)
+    return out
+
+
+def _toml_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _describe_type(info) -> str:
+    if get_origin(info.annotation) is Literal:
+        kind = " | ".join(repr(a) for a in get_args(info.annotation))
+    else:
+        kind = {list: "list", dict: "table"}.get(get_origin(info.annotation)) or info.annotation.__name__
+    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length"}
+    for m in info.metadata:
+        for attr, sym in bounds.items():
+            if getattr(m, attr, None) is not None:
+                kind += f", {sym} {getattr(m, attr)}"
+    return kind
 
 
 def describe() -> str:
-    """Every knob with its default and help, for `moerl rl --help` and the README."""
+    """Every knob with its default, type and help, for `moerl rl --help` and the README."""
     lines = []
-    top = RLConfig()
-    for f in dataclasses.fields(RLConfig):
-        if f.name in _SECTIONS[RLConfig]:
-            continue
-        lines.append(f"  {f.name} = {getattr(top, f.name)!r}  # {f.metadata['help']}")
-    for section, sub in _SECTIONS[RLConfig].items():
+
+    def knobs(cls, indent: str) -> None:
+        for name, info in _fields(cls).items():
+            if name in SECTIONS and cls is RLConfig:
+                continue
+            default = info.get_default(call_default_factory=True)
+            lines.append(f"{indent}{name} = {default!r}  # {info.description} [{_describe_type(info)}]")
+
+    knobs(RLConfig, "  ")
+    for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
-        inst = sub()
-        for f in dataclasses.fields(sub):
-            lines.append(f"  {f.name} = {getattr(inst, f.name)!r}  # {f.metadata['help']}")
+        knobs(cls, "  ")
     return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""`moerl rl` config: strict types, ranges, `--set` parsing and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl_loop.config import ConfigError, RLConfig, describe, parse_overrides
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "tiny_kimi_k2.toml")
+
+
+def load(*sets: str) -> RLConfig:
+    return RLConfig.from_toml(CONFIG, parse_overrides(list(sets)))
+
+
+def test_readme_overrides_keep_their_types():
+    cfg = load("train.replay=false", "train.steps=10", "train.lr=1e-4", "rollout.task_args={turns = 2}",
+               "inference.endpoints=['http://h:1']", "rollout.temperature=1")
+    assert cfg.train.replay is False and cfg.train.steps == 10 and cfg.train.lr == 1e-4
+    assert cfg.rollout.task_args == {"turns": 2} and cfg.inference.endpoints == ["http://h:1"]
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert load("rollout.task_args.turns=3").rollout.task_args == {"turns": 3}
+
+
+def test_text_fields_take_the_text_as_given():
+    """`--set key=` is the empty string (no pinning for the cpus keys); '0' stays a core list, not the integer 0."""
+    cfg = load("train.cpus=", "inference.cpus=", "model.checkpoint=")
+    assert (cfg.train.cpus, cfg.inference.cpus, cfg.model.checkpoint) == ("", "", "")
+    assert load("train.cpus=0").train.cpus == "0"
+    assert load("rollout.task=123").rollout.task == "123"
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.steps=10.9", "train.steps: Input should be a valid integer, got 10.9"),
+    ('train.steps="10"', "train.steps: Input should be a valid integer, got '10'"),
+    ("train.steps=true", "train.steps: Input should be a valid integer, got True"),
+    ("train.steps=", "train.steps: Input should be a valid integer, got ''"),
+    ("train.steps=0", "train.steps: Input should be greater than or equal to 1, got 0"),
+    ("train.lr=nan", "train.lr: Input should be a finite number, got nan"),
+    ("train.lr=-inf", "train.lr: Input should be a finite number, got -inf"),
+    ("train.lr=0", "train.lr: Input should be greater than 0, got 0"),
+    ("train.max_ratio=1", "train.max_ratio: Input should be greater than 1, got 1"),
+    ("train.replay=1", "train.replay: Input should be a valid boolean, got 1"),
+    ("inference.base_port=70000", "inference.base_port: Input should be less than or equal to 65535, got 70000"),
+    ("model.inference_dtype=fp16", "model.inference_dtype: Input should be 'bfloat16' or 'float32', got 'fp16'"),
+    ("rollout.task_args=3", "rollout.task_args: must be a table, got 3"),
+    ("train.cpus=0-x", "train.cpus: bad CPU list '0-x': expected e.g. '0-3,6'"),
+    ("train.stesp=3", "train.stesp: unknown key (known: steps, lr, replay, max_ratio, normalize_std, "
+                      "checkpoint_interval, nproc, cpus)"),
+    ("trian.steps=3", "trian: unknown key (known: run_dir, seed, model, inference, rollout, train)"),
+])
+def test_bad_values_are_one_line_errors_naming_the_key(item, message):
+    with pytest.raises(ConfigError) as e:
+        load(item)
+    assert str(e.value) == message
+
+
+def test_core_lists_must_name_cores_of_this_machine():
+    n = os.cpu_count()
+    assert load(f"train.cpus=0-{n - 1}").train.cpus == f"0-{n - 1}"
+    with pytest.raises(ConfigError, match=rf"train.cpus: '0,{n}' names core {n}; this machine has {n} cores"):
+        load(f"train.cpus=0,{n}")
+
+
+def test_set_needs_key_and_value():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_overrides(["train.steps"])
+
+
+def test_config_file_is_checked_like_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 2.5\n")
+    with pytest.raises(ConfigError, match=r"^train.steps: Input should be a valid integer, got 2.5$"):
+        RLConfig.from_toml(path)
+    path.write_text("seed = 3\n[train]\nsteps = 2\n")
+    cfg = RLConfig.from_toml(path)
+    assert cfg.seed == 3 and cfg.train.steps == 2 and cfg.train.lr == RLConfig().train.lr
+
+
+def test_help_lists_every_key_with_default_type_and_meaning():
+    text = describe()
+    for section in ("model", "inference", "rollout", "train"):
+        assert f"[{section}]" in text
+    assert "  steps = 40  # optimizer steps [int, >= 1]" in text
+    assert "  max_ratio = 2.0  # " in text and "[float, > 1]" in text
+    assert "(--set train.cpus=): no pinning" in text
+    assert "['bfloat16' | 'float32']" in text
+    keys = [line.split("=")[0].strip() for line in text.splitlines() if not line.startswith("[")]
+    assert len(keys) == 2 + 5 + 8 + 8 + 8
+
+
+def test_cli_reports_a_bad_value_in_one_line_and_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "rl_loop", "rl", "--config", CONFIG, "--set", "train.steps=10.9"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr == "moerl rl: error: train.steps: Input should be a valid integer, got 10.9\n"
