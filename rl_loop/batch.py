@@ -4,6 +4,11 @@ A sample whose routing record does not fit its tokens (wrong number of rows,
 layers or top-k, expert ids out of range) would either crash the trainer's
 forward or, worse, replay garbage. Such a sample is dropped from the batch with
 the reason, the rest of the step goes on, and the caller logs the count.
+
+A reason reads ``"<kind>: <detail>"``: the kind is short and from a fixed set
+(``reason_kind``), so per-step counts by kind stay a handful of keys; a sample
+the server returned without routing is ``no routing record (<server's reason>)``
+(``vllm_ext.routing.missing``), with the server's message as the detail.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Sample:
     # (in the sequence and its routing, not in the loss; their logprobs are placeholders). None: all 1.
     completion_mask: list[int] | None = None
     error: str | None = None  # set by the task when the rollout failed (e.g. an environment error): rejected
+    routing_error: str | None = None  # the server's "<reason>: <detail>" when it returned no routing
 
 
 @dataclass(frozen=True)
@@ -62,26 +68,35 @@ class Batch:
                      None if self.replay_ids is None else self.replay_ids[sl], self.policy_versions[sl])
 
 
+def reason_kind(reason: str) -> str:
+    """The bounded part of a rejection reason (before the first ': '), which per-step metrics count by."""
+    return reason.split(": ", 1)[0]
+
+
 def routing_error(sample: Sample, shape: ModelShape) -> str | None:
     """Why `sample.routing` cannot be replayed on its tokens, or None when it can."""
     r = sample.routing
     if r is None:
+        if sample.routing_error:
+            return f"no routing record ({reason_kind(sample.routing_error)}): {sample.routing_error}"
         return "no routing record"
     rows = len(sample.prompt_ids) + len(sample.completion_ids) - 1
     if r.ndim != 3:
-        return f"routing record has {r.ndim} dimensions, expected 3 (rows, layers, top_k)"
+        return f"routing record does not fit: {r.ndim} dimensions, expected 3 (rows, layers, top_k)"
     if r.shape != (rows, shape.num_moe_layers, shape.top_k):
-        return (f"routing record has shape {tuple(r.shape)}, expected {(rows, shape.num_moe_layers, shape.top_k)} "
-                "(prompt+completion-1 rows, MoE layers, top_k)")
+        return (f"routing record does not fit: shape {tuple(r.shape)}, expected "
+                f"{(rows, shape.num_moe_layers, shape.top_k)} (prompt+completion-1 rows, MoE layers, top_k)")
     if r.size and (int(r.min()) < 0 or int(r.max()) >= shape.num_experts):
-        return f"expert ids outside [0, {shape.num_experts}): min {int(r.min())}, max {int(r.max())}"
+        return (f"routing record does not fit: expert ids outside [0, {shape.num_experts}): "
+                f"min {int(r.min())}, max {int(r.max())}")
     return None
 
 
 def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[Batch | None, list[tuple[int, str]]]:
     """Pack samples; with `shape` (replay on) samples whose record does not fit are rejected.
 
-    Returns the batch (None when nothing is left) and (index, reason) per rejected sample.
+    Returns the batch (None when nothing is left) and (index, reason) per rejected sample
+    (``"<kind>: <detail>"``, see ``reason_kind``).
     """
     rejected: list[tuple[int, str]] = []
     kept: list[Sample] = []
@@ -90,11 +105,13 @@ def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[
         if s.error:
             reason = f"rollout failed: {s.error}"
         elif len(s.logprobs) != len(s.completion_ids):
-            reason = f"{len(s.logprobs)} logprobs for {len(s.completion_ids)} completion tokens"
+            reason = (f"logprobs do not match the completion: {len(s.logprobs)} logprobs for "
+                      f"{len(s.completion_ids)} completion tokens")
         elif not s.completion_ids:
             reason = "empty completion"
         elif s.completion_mask is not None and len(s.completion_mask) != len(s.completion_ids):
-            reason = f"completion mask of {len(s.completion_mask)} for {len(s.completion_ids)} completion tokens"
+            reason = (f"completion mask does not match the completion: mask of {len(s.completion_mask)} for "
+                      f"{len(s.completion_ids)} completion tokens")
         elif s.completion_mask is not None and not any(s.completion_mask):
             reason = "no sampled token in the completion (mask all 0)"
         elif shape is not None:

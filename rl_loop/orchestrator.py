@@ -4,7 +4,8 @@ One step n:
   1. generate: `prompts_per_step` groups of `samples_per_prompt` completions on the
      replicas (through the embedded router), with logprobs and routing records;
   2. score: task rewards, group-relative advantages; pack a batch (samples whose
-     routing record does not fit are rejected and counted);
+     routing record is missing or does not fit are rejected and counted, per step
+     by reason in metrics.jsonl's `rejected`);
   3. train: the trainer subprocess (TorchTitan) takes the batch and publishes
      weights version n;
   4. sync: every replica loads version n (pause, update, resume).
@@ -28,13 +29,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .advantages import group_advantages
-from .batch import ModelShape, Sample, pack
+from .batch import Batch, ModelShape, Sample, pack, reason_kind
 from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
 from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
@@ -176,10 +178,13 @@ class Orchestrator:
         for g, (prompt, ids, completions, version) in enumerate(groups):
             for comp in completions:
                 reward = self.task.reward(prompt, tokenizer.decode(comp.completion_ids))
-                samples.append(Sample(ids, comp.completion_ids, comp.logprobs, reward, g, version, comp.routing))
+                samples.append(Sample(ids, comp.completion_ids, comp.logprobs, reward, g, version, comp.routing,
+                                      routing_error=comp.routing_error))
         return Rollouts(samples, t1 - t0, time.perf_counter() - t1, counters)
 
-    def build_batch(self, rollouts: Rollouts, step: int, shape: ModelShape | None, pad_id: int):
+    def build_batch(self, rollouts: Rollouts, step: int, shape: ModelShape | None,
+                    pad_id: int) -> tuple[Batch | None, list[Sample], dict[str, int]]:
+        """The step's batch (None if no sample is left), its samples, and rejected samples counted by reason kind."""
         k = self.cfg.rollout.max_off_policy_steps
         fresh = [s for s in rollouts.samples if step - 1 - s.policy_version <= k]
         stale_groups = {s.group for s in rollouts.samples} - {s.group for s in fresh}
@@ -195,7 +200,7 @@ class Orchestrator:
         for idx, reason in rejected:
             log(f"step {step}: sample {idx} rejected: {reason}")
         self.counters["rejected_samples"] += len(rejected)
-        return batch, fresh
+        return batch, fresh, dict(Counter(reason_kind(reason) for _, reason in rejected))
 
     def check_trainer(self, waiting_for: str) -> None:
         if self.trainer_proc is not None and self.trainer_proc.poll() is not None:
@@ -265,17 +270,18 @@ class Orchestrator:
             k = self.cfg.rollout.max_off_policy_steps
             async with aiohttp.ClientSession() as session:
                 last = self.cfg.train.steps
-                submitted: dict[int, tuple[Rollouts, list[Sample]]] = {}
+                submitted: dict[int, tuple[Rollouts, list[Sample], dict[str, int]]] = {}
 
                 async def submit(step: int) -> None:
                     """Generate step's rollouts on the replicas as they are now, and hand the batch to the trainer."""
                     ro = await self.rollouts(session, tokenizer, model_name, step)
                     self.counters["resent_groups"] += ro.counters.get("resent_groups", 0)
-                    batch, fresh = self.build_batch(ro, step, shape, tokenizer.pad_token_id)
+                    batch, fresh, rejected = self.build_batch(ro, step, shape, tokenizer.pad_token_id)
                     if batch is None:
-                        raise RuntimeError(f"step {step}: no usable samples (all stale or rejected)")
+                        raise RuntimeError(f"step {step}: no usable samples (all stale or rejected; "
+                                           f"rejected by reason: {rejected})")
                     write_atomic(batch_path(self.run_dir, step), lambda t: torch.save(batch.to_dict(), t))
-                    submitted[step] = (ro, fresh)
+                    submitted[step] = (ro, fresh, rejected)
 
                 await submit(start + 1)
                 for step in range(start + 1, last + 1):
@@ -298,7 +304,7 @@ class Orchestrator:
                     sync_s = await self.sync(step)
                     if k == 0 and step < last:
                         await submit(step + 1)
-                    ro, fresh = submitted.pop(step)
+                    ro, fresh, rejected = submitted.pop(step)
                     reporter.step({
                         "step": step, "reward": sum(s.reward for s in fresh) / len(fresh),
                         "k3_mean": metrics["mismatch_k3_mean"], "k3_max": metrics["mismatch_k3_max"],
@@ -307,6 +313,7 @@ class Orchestrator:
                         "gen_s": ro.generate_s, "score_s": ro.score_s, "train_s": metrics["train_s"],
                         "sync_s": sync_s, "wait_s": wait_s, "trainer_wait_s": metrics["wait_s"],
                         "step_s": time.perf_counter() - t_step, "samples": len(fresh),
+                        "rejected": rejected,
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
                         "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},
                         **{f"total_{name}": v for name, v in self.counters.items()},

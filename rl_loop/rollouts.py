@@ -38,6 +38,7 @@ class Completion:
     text: str
     routing: np.ndarray | None  # rows from the request's routing start on
     finish_reason: str | None = None
+    routing_error: str | None = None  # the server's "<reason>: <detail>" when it returned no routing
 
 
 class GroupFailed(RuntimeError):
@@ -56,7 +57,7 @@ def parse_choice(choice: dict, routing_start: int = 0) -> Completion:
             raise ValueError(f"routing record starts at position {record.start}, expected {routing_start}")
         routing = record.expert_ids
     return Completion(ids, [float(x) for x in lp.get("token_logprobs") or []], choice.get("text", ""), routing,
-                      choice.get("finish_reason"))
+                      choice.get("finish_reason"), choice.get("routed_experts_error"))
 
 
 async def request_group(session: aiohttp.ClientSession, replica: Replica, model: str, prompt_ids: list[int], *,
@@ -136,6 +137,7 @@ class Conversation:
         self.policy_version: int | None = None
         self._rows: list[np.ndarray] = []
         self._routed = True
+        self.routing_error: str | None = None  # the server's reason of the first turn that came without routing
 
     @property
     def completion_ids(self) -> list[int]:
@@ -162,6 +164,8 @@ class Conversation:
         self.policy_version = version if self.policy_version is None else min(self.policy_version, version)
         end = len(self.ids) - 1
         if comp.routing is None:
+            if self._routed:
+                self.routing_error = comp.routing_error
             self._routed = False
         elif self._routed:
             if comp.routing.shape[0] != end - routing_start:
@@ -179,7 +183,8 @@ class Conversation:
 
     def sample(self, reward: float, group: int) -> Sample:
         return Sample(self.prompt_ids, self.completion_ids, list(self.logprobs), float(reward), group,
-                      self.policy_version or 0, self.routing(), completion_mask=list(self.mask))
+                      self.policy_version or 0, self.routing(), completion_mask=list(self.mask),
+                      routing_error=self.routing_error)
 
 
 @dataclass

@@ -12,6 +12,11 @@ codec: self-describing, with MoE layer indices, expert count and first
 position), in non-streaming responses and in the final chunk of each choice
 when streaming. Decode with ``vllm_ext.routing.record.decode_record_b64``.
 
+A choice whose routing was lost (``vllm_ext.routing.missing``) has
+``routed_experts: null`` and ``routed_experts_error: "<reason>: <detail>"`` in
+the same places, and its reason is counted in ``moerl:routing_missing_total``
+(``mark_missing``). A model without MoE layers gets neither field.
+
 The logic (``encode_rows``, ``moe_layer_indices``, ``inject_into_chunk``) is
 plain functions; ``install`` only wraps vLLM's serving methods.
 """
@@ -26,11 +31,17 @@ from typing import Any
 
 import numpy as np
 
+from .metrics import routing_missing
+from .routing.missing import ENCODE_FAILED, REASONS, RoutingMissing
 from .routing.record import RoutingRecord, encode_record_b64
 
 logger = logging.getLogger("vllm_ext.routing")
 
-__all__ = ["moe_layer_indices", "num_routed_experts", "encode_rows", "inject_into_chunk", "install"]
+__all__ = ["moe_layer_indices", "num_routed_experts", "encode_rows", "inject_into_chunk", "mark_missing", "install",
+           "ROUTING_FIELD", "ERROR_FIELD"]
+
+ROUTING_FIELD = "routed_experts"
+ERROR_FIELD = "routed_experts_error"
 
 
 def num_routed_experts(hf_config: Any) -> int:
@@ -101,35 +112,57 @@ def _prompt_start(request: Any, prompt_len: int) -> int:
     return min(int(getattr(request, "routed_experts_prompt_start", 0) or 0), prompt_len)
 
 
-def _encode_output(output: Any, prompt_len: int, request: Any, hf_config: Any) -> str | None:
+def mark_missing(output: Any, exc: RoutingMissing) -> None:
+    """`output` (a finished ``CompletionOutput``) gets no routing: its choice says why, the reason is counted."""
+    output.routed_experts = None
+    setattr(output, ERROR_FIELD, exc.field)
+    routing_missing.inc(exc.reason)
+    logger.error("moerl routing: %s", exc.field)
+
+
+def _routing_fields(output: Any, prompt_len: int, request: Any, hf_config: Any) -> dict[str, str]:
+    """The routing fields of one finished output's choice: the record, or why it is missing, or none."""
+    err = getattr(output, ERROR_FIELD, None)
+    if err is not None:
+        return {ERROR_FIELD: err}
     arr = getattr(output, "routed_experts", None)
-    if arr is None or isinstance(arr, _Encoded):
-        return arr
-    try:
-        enc = _Encoded(encode_rows(np.asarray(arr), hf_config, _prompt_start(request, prompt_len)))
-    except ValueError as exc:
-        logger.error("moerl routing: cannot encode record: %s", exc)
-        enc = None
-    output.routed_experts = enc
-    return enc
+    if arr is None:
+        return {}
+    if not isinstance(arr, _Encoded):
+        try:
+            arr = output.routed_experts = _Encoded(encode_rows(np.asarray(arr), hf_config,
+                                                               _prompt_start(request, prompt_len)))
+        except ValueError as exc:
+            mark_missing(output, RoutingMissing(ENCODE_FAILED, f"cannot encode the routing record: {exc}"))
+            return {ERROR_FIELD: getattr(output, ERROR_FIELD)}
+    return {ROUTING_FIELD: arr}
 
 
-def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, str]:
-    out: dict[int, str] = {}
+def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, dict[str, str]]:
+    """Routing fields of each finished output of `res`, by output index (encoded once, in place)."""
+    out: dict[int, dict[str, str]] = {}
     if not getattr(res, "finished", False):
         return out
     plen = len(res.prompt_token_ids or [])
     for o in res.outputs:
-        enc = _encode_output(o, plen, request, hf_config)
-        if enc is not None:
-            out[o.index] = enc
+        fields = _routing_fields(o, plen, request, hf_config)
+        if fields:
+            out[o.index] = fields
     return out
 
 
-def inject_into_chunk(chunk: str, routing_by_index: dict[int, str]) -> str:
-    """Add ``routed_experts`` to choices of an SSE chunk that carry a
-    finish_reason (the final chunk of that choice)."""
-    if not routing_by_index or not chunk.startswith("data: ") or '"finish_reason":' not in chunk:
+def _annotate_errors(choices: list, outputs: list) -> None:
+    """Non-streaming: vLLM built each choice's ``routed_experts`` from its output; add the error field."""
+    for ch, o in zip(choices, outputs):
+        err = getattr(o, ERROR_FIELD, None)
+        if err is not None:
+            setattr(ch, ERROR_FIELD, err)
+
+
+def inject_into_chunk(chunk: str, fields_by_index: dict[int, dict[str, str]]) -> str:
+    """Add each choice's routing fields (``routed_experts`` or ``routed_experts_error``) to the
+    choices of an SSE chunk that carry a finish_reason (the final chunk of that choice)."""
+    if not fields_by_index or not chunk.startswith("data: ") or '"finish_reason":' not in chunk:
         return chunk
     body = chunk[len("data: ") :].strip()
     if body == "[DONE]":
@@ -140,8 +173,8 @@ def inject_into_chunk(chunk: str, routing_by_index: dict[int, str]) -> str:
         return chunk
     changed = False
     for ch in obj.get("choices") or []:
-        if ch.get("finish_reason") is not None and ch.get("index") in routing_by_index:
-            ch["routed_experts"] = routing_by_index.pop(ch["index"])
+        if ch.get("finish_reason") is not None and ch.get("index") in fields_by_index:
+            ch.update(fields_by_index.pop(ch["index"]))
             changed = True
     if not changed:
         return chunk
@@ -167,6 +200,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    routing_missing.install(REASONS)
     try:
         from vllm.entrypoints.openai.chat_completion import serving as chat_mod
         from vllm.entrypoints.openai.completion import serving as cmpl_mod
@@ -187,7 +221,9 @@ def install() -> None:
         hf = self.model_config.hf_config
         for res in final_res_batch:
             _encode_request_output(res, request, hf)
-        return orig_to_resp(self, final_res_batch, request, *args, **kwargs)
+        resp = orig_to_resp(self, final_res_batch, request, *args, **kwargs)
+        _annotate_errors(getattr(resp, "choices", None) or [], [o for res in final_res_batch for o in res.outputs])
+        return resp
 
     Cmpl.request_output_to_completion_response = to_resp
 
@@ -197,7 +233,7 @@ def install() -> None:
     async def cmpl_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
         hf = self.model_config.hf_config
         n = 1 if request.n is None else request.n
-        pending: dict[int, str] = {}
+        pending: dict[int, dict[str, str]] = {}
 
         async def watch() -> AsyncIterator:
             async for prompt_idx, res in result_generator:
@@ -215,13 +251,18 @@ def install() -> None:
     @functools.wraps(orig_chat_full)
     async def chat_full(self, request, result_generator, *args, **kwargs):
         hf = self.model_config.hf_config
+        outputs: dict[int, Any] = {}
 
         async def watch() -> AsyncIterator:
             async for res in result_generator:
                 _encode_request_output(res, request, hf)
+                outputs.update((o.index, o) for o in res.outputs)
                 yield res
 
-        return await orig_chat_full(self, request, watch(), *args, **kwargs)
+        resp = await orig_chat_full(self, request, watch(), *args, **kwargs)
+        choices = getattr(resp, "choices", None) or []
+        _annotate_errors(choices, [outputs.get(ch.index) for ch in choices])
+        return resp
 
     Chat.chat_completion_full_generator = chat_full
 
@@ -230,7 +271,7 @@ def install() -> None:
     @functools.wraps(orig_chat_stream)
     async def chat_stream(self, request, result_generator, *args, **kwargs):
         hf = self.model_config.hf_config
-        pending: dict[int, str] = {}
+        pending: dict[int, dict[str, str]] = {}
 
         async def watch() -> AsyncIterator:
             async for res in result_generator:
@@ -247,5 +288,5 @@ def decode_response_routing(choice: dict[str, Any]) -> RoutingRecord | None:
     """Client helper: the record of one response choice (None if absent)."""
     from .routing.record import decode_record_b64
 
-    text = choice.get("routed_experts")
+    text = choice.get(ROUTING_FIELD)
     return None if text is None else decode_record_b64(text)

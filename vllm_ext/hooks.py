@@ -13,15 +13,14 @@ All no-ops for anything but routing:
 * ``RequestState._new_completion_output`` (API-server process): when a
   request finishes, read its rows from its segment into
   ``CompletionOutput.routed_experts``, where vLLM's own capture would have
-  put them, so ``vllm_ext.api`` encodes either the same way.
+  put them, so ``vllm_ext.api`` encodes either the same way; rows that cannot
+  be read, or a capture that is off, mark the output's routing missing with
+  the reason (``vllm_ext.api.mark_missing``).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-
-logger = logging.getLogger("vllm_ext.routing")
 
 _installed = False
 
@@ -91,7 +90,9 @@ def _wrap_load(orig, capture):
 def _install_output_reader() -> None:
     from vllm.v1.engine.output_processor import RequestState
 
-    from .routing.handoff import MissingRowsError, capture_on, read_rows, server_token
+    from .api import mark_missing
+    from .routing.handoff import capture_off_reason, capture_on, read_rows, server_token
+    from .routing.missing import CAPTURE_OFF, RoutingMissing
 
     token = server_token()
     orig = RequestState._new_completion_output
@@ -99,12 +100,15 @@ def _install_output_reader() -> None:
     @functools.wraps(orig)
     def new_completion_output(self, token_ids, finish_reason, stop_reason):
         out = orig(self, token_ids, finish_reason, stop_reason)
-        if finish_reason is not None and out.routed_experts is None and capture_on(token):
-            end = self.prompt_len + self.detokenizer.num_output_tokens() - 1
-            try:
-                out.routed_experts = read_rows(token, self.request_id, end)[1]
-            except (MissingRowsError, ValueError) as exc:
-                logger.error("moerl routing: %s", exc)
+        if finish_reason is not None and out.routed_experts is None:
+            if capture_on(token):
+                end = self.prompt_len + self.detokenizer.num_output_tokens() - 1
+                try:
+                    out.routed_experts = read_rows(token, self.request_id, end)[1]
+                except RoutingMissing as exc:
+                    mark_missing(out, exc)
+            elif (why := capture_off_reason(token)) is not None:
+                mark_missing(out, RoutingMissing(CAPTURE_OFF, why))
         return out
 
     RequestState._new_completion_output = new_completion_output

@@ -265,7 +265,7 @@ def test_update_equals_fresh_server(arch, dtype, tmp_path, monkeypatch):
             outs = generate(base, v1)
             assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
         m = metrics(base)
-        assert m["moerl:weight_update_failures"] >= 5 and m["moerl:weight_update_in_progress"] == 0
+        assert m["moerl:weight_update_failures_total"] >= 5 and m["moerl:weight_update_in_progress"] == 0
         assert m["moerl:policy_version"] == 1
 
         # -- fs update v1 -> v2: identical to the fresh v2 server

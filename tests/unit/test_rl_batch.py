@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_loop.batch import Batch, ModelShape, Sample, pack
+from rl_loop.batch import Batch, ModelShape, Sample, pack, reason_kind
 
 SHAPE = ModelShape(num_moe_layers=3, top_k=2, num_experts=8)
 
@@ -34,6 +34,16 @@ def test_samples_with_bad_records_are_rejected_and_the_rest_kept(kind, msg):
     batch, rejected = pack([_sample(), _sample(routing=kind), _sample()], SHAPE, pad_id=0)
     assert len(rejected) == 1 and rejected[0][0] == 1 and msg in rejected[0][1]
     assert batch.tokens.shape[0] == 2
+
+
+def test_a_sample_the_server_returned_without_routing_carries_the_servers_reason():
+    lost = _sample(routing="none")
+    lost.routing_error = "shm_full: request r: the worker could not reserve its routing rows in /dev/shm"
+    batch, rejected = pack([_sample(), lost, _sample(routing="none"), _sample(routing="range")], SHAPE, pad_id=0)
+    assert batch.tokens.shape[0] == 1 and [i for i, _ in rejected] == [1, 2, 3]
+    assert rejected[0][1] == f"no routing record (shm_full): {lost.routing_error}"
+    assert [reason_kind(r) for _, r in rejected] == ["no routing record (shm_full)", "no routing record",
+                                                     "routing record does not fit"]
 
 
 def test_without_replay_records_are_not_needed_and_logprob_count_is_checked():

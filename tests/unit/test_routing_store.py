@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import secrets
 import subprocess
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from vllm_ext.api import inject_into_chunk, moe_layer_indices
-from vllm_ext.routing.handoff import (SHM_DIR, MissingRowsError, SegmentReaper, read_rows, segment_name,
-                                     sweep_dead_servers)
+from vllm_ext.routing.handoff import SHM_DIR, SegmentReaper, read_rows, segment_name, sweep_dead_servers
+from vllm_ext.routing.missing import BAD_SEGMENT, NO_SEGMENT, ROWS_MISSING, SHM_FULL, RoutingMissing
 from vllm_ext.routing.store import RoutingStore
 
 
@@ -87,7 +88,7 @@ def test_one_step_of_several_requests_lands_at_each_requests_positions(store):
     assert np.array_equal(out, step[:5])
     _, out = read_rows(s.token, "y", 8)
     assert np.array_equal(out[7], step[5])
-    with pytest.raises(MissingRowsError, match="position 0"):
+    with pytest.raises(RoutingMissing, match="position 0"):
         read_rows(s.token, "z", 2)  # nothing of z was written
     with pytest.raises(ValueError, match="dtype"):
         s.write_step([("x", 5, 1)], step[:1].astype(np.uint16))
@@ -98,10 +99,12 @@ def test_missing_rows_raise_instead_of_gap(store):
     s.open("c", 0, 8)
     s.add_block_hashes("c", [b"unknown"])
     s.write("c", 4, np.zeros((2, 2, 3), np.uint8))
-    with pytest.raises(MissingRowsError, match="position 0"):
+    with pytest.raises(RoutingMissing, match="position 0") as exc:
         read_rows(s.token, "c", 6)
-    with pytest.raises(MissingRowsError, match="does not exist"):
+    assert exc.value.reason == ROWS_MISSING
+    with pytest.raises(RoutingMissing, match="does not exist") as exc:
         read_rows(s.token, "never-scheduled", 6)
+    assert exc.value.reason == NO_SEGMENT
 
 
 def test_recompute_overwrites_and_first_position(store):
@@ -141,17 +144,36 @@ def test_segments_of_dead_servers_are_swept(store):
     assert os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'a')}")  # this process's server lives
 
 
-def test_no_room_for_a_segment_is_a_clear_error(store, monkeypatch):
-    s = store()
+def test_no_room_for_a_segment_is_a_clear_error_and_the_reader_says_so(store, monkeypatch):
+    """A full /dev/shm: the worker's open fails clearly, leaves an empty stub (no pages), does not
+    retry the request every step, and the API server's read reports shm_full."""
+    s = store(reaper=SegmentReaper(grace_s=10.0))
 
     def fake_full_tmpfs(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", fake_full_tmpfs)
-    with pytest.raises(OSError, match="larger /dev/shm"):
-        s.open("big", 0, 1 << 20)
-    assert not os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'big')}")
-    assert "big" not in s
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "posix_fallocate", fake_full_tmpfs)
+        with pytest.raises(OSError, match="larger /dev/shm"):
+            s.open("big", 0, 1 << 20)
+    stub = f"{SHM_DIR}/{segment_name(s.token, 'big')}"
+    assert os.path.getsize(stub) == 0
+    assert "big" not in s and s.not_open({"big": 0, "other": 0}) == {"other"}
+    assert not s.resume("big")  # preempted and scheduled again: still no segment
+    s.write_step([("big", 0, 1)], np.zeros((1, 2, 3), np.uint8))  # its rows are skipped, not an error
+    with pytest.raises(RoutingMissing, match="could not reserve") as exc:
+        read_rows(s.token, "big", 4)
+    assert exc.value.reason == SHM_FULL and not os.path.exists(stub)
+
+    s.open("c", 0, 1 << 20)  # room again: the next request is served
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "posix_fallocate", fake_full_tmpfs)
+        with pytest.raises(OSError):
+            s.open("unread", 0, 8)
+    s.finish("unread")  # aborted: nobody reads its stub, the reaper removes it after the grace period
+    assert s.not_open({"unread": 0}) == {"unread"}
+    s.reaper.sweep(now=time.monotonic() + 11)
+    assert not os.path.exists(f"{SHM_DIR}/{segment_name(s.token, 'unread')}")
 
 
 def test_bad_writes_are_refused(store):
@@ -201,8 +223,9 @@ def test_a_foreign_or_truncated_segment_is_refused(store):
     s.reaper.created(os.path.basename(path))
     with open(path, "wb") as f:
         f.write(b"\0" * 100)
-    with pytest.raises(ValueError, match="not a moerl rows segment"):
+    with pytest.raises(RoutingMissing, match="not a moerl rows segment") as exc:
         read_rows(s.token, "x", 1)
+    assert exc.value.reason == BAD_SEGMENT
 
 
 class _Cfg:
@@ -222,11 +245,13 @@ def test_moe_layer_indices_conventions():
 def test_inject_into_final_chunk_only():
     final = 'data: {"choices":[{"index":0,"text":"x","finish_reason":"length"}]}\n\n'
     mid = 'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
-    pending = {0: "PAYLOAD"}
+    pending = {0: {"routed_experts": "PAYLOAD"}}
     assert inject_into_chunk(mid, pending) == mid
     out = inject_into_chunk(final, pending)
     assert '"routed_experts":"PAYLOAD"' in out and pending == {}
-    assert inject_into_chunk("data: [DONE]\n\n", {0: "x"}) == "data: [DONE]\n\n"
+    assert inject_into_chunk("data: [DONE]\n\n", {0: {"routed_experts": "x"}}) == "data: [DONE]\n\n"
+    out = inject_into_chunk(final, {0: {"routed_experts_error": "shm_full: no room"}})
+    assert json.loads(out[len("data: "):])["choices"][0]["routed_experts_error"] == "shm_full: no room"
 
 
 def test_all_layer_rows_from_vllm_capture_drop_dense_columns():

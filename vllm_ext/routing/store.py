@@ -55,6 +55,7 @@ class RoutingStore:
         self.max_blocks = max_blocks
         self.reaper = reaper or SegmentReaper()
         self._requests: dict[str, _RequestRows] = {}
+        self._lost: set[str] = set()  # scheduled requests that have no segment to write (see `lose`)
         self._pending_hashes: dict[str, list[bytes]] = {}
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # block hash -> its rows
 
@@ -65,10 +66,19 @@ class RoutingStore:
             return
         if not 0 <= start <= capacity:
             raise ValueError(f"request {req_id}: first position {start} outside its capacity {capacity}")
-        seg = RowsSegment.create(segment_name(self.token, req_id), start, capacity, self.num_layers,
-                                 self.top_k, self.dtype)
-        self.reaper.created(seg.name)
+        name = segment_name(self.token, req_id)
+        self.reaper.created(name)  # a stub left by a failed reservation is unlinked like a segment
+        try:
+            seg = RowsSegment.create(name, start, capacity, self.num_layers, self.top_k, self.dtype)
+        except OSError:
+            self.lose(req_id)
+            raise
         self._requests[req_id] = _RequestRows(seg, block_hashes=self._pending_hashes.pop(req_id, []))
+
+    def lose(self, req_id: str) -> None:
+        """The request runs without a segment (it could not be created, or was never opened):
+        it is not retried every step, and the API server reports its routing missing."""
+        self._lost.add(req_id)
 
     def resume(self, req_id: str) -> bool:
         """A request scheduled again after vLLM preempted it (and reported it finished):
@@ -193,6 +203,9 @@ class RoutingStore:
         self._pending_hashes.pop(req_id, None)
         st = self._requests.pop(req_id, None)
         if st is None:
+            if req_id in self._lost:
+                self._lost.discard(req_id)
+                self.reaper.finished(segment_name(self.token, req_id))
             return
         self._publish(st)
         st.seg.close()
@@ -209,11 +222,11 @@ class RoutingStore:
         return req_id in self._requests
 
     def not_open(self, req_ids: Mapping[str, object]) -> set[str]:
-        """Which requests (keys of req_ids) have no open segment; runs every step, and in
-        most steps every one is open: one subset test of the two key views."""
+        """Which requests (keys of req_ids) have no open segment and are not lost; runs every
+        step, and in most steps every one is open: one subset test of the two key views."""
         if req_ids.keys() <= self._requests.keys():
             return set()
-        return set(req_ids).difference(self._requests)
+        return set(req_ids).difference(self._requests, self._lost)
 
     @property
     def num_blocks(self) -> int:
