@@ -9,6 +9,12 @@ near uniform and expert choices barely matter; 0.1-0.3 makes them matter.
 `init_scales` overrides the std for tensors whose name contains a key (for
 example a gentler attention, or a non-zero `e_score_correction_bias`, which is
 otherwise left at zero).
+
+`block_fp8`, `shards` and `mtp` write the checkpoint the way Kimi-K2 and GLM-5 are published:
+linear weights in block fp8 with `weight_scale_inv` (titan_ext.models.block_fp8; the tiny
+shapes leave edge blocks that 128 does not divide), several shards with an index file, and
+GLM-5's MTP layer (one extra decoder layer with its enorm/hnorm/eh_proj/shared_head, which
+titan_ext skips).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ def make_tiny_checkpoint(
     init_scale: float = 0.02,
     seed: int = 0,
     init_scales: Mapping[str, float] | None = None,
+    block_fp8: bool = False,
+    shards: int = 1,
+    mtp: bool = False,
 ) -> Path:
     """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments).
 
@@ -65,6 +74,8 @@ def make_tiny_checkpoint(
     meta = {"arch": arch, "dtype": dtype, "init_scale": init_scale, "seed": seed}
     if init_scales:
         meta["init_scales"] = dict(init_scales)
+    if block_fp8 or shards != 1 or mtp:
+        meta.update(block_fp8=block_fp8, shards=shards, mtp=mtp)
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +94,55 @@ def make_tiny_checkpoint(
             elif isinstance(p, torch.nn.Parameter):
                 p.normal_(0.0, init_scale)
     model.to(getattr(torch, dtype)).save_pretrained(out)
+    if block_fp8 or shards != 1 or mtp:
+        _published_layout(out, block_fp8=block_fp8, shards=shards, mtp=mtp, seed=seed, init_scale=init_scale)
     train_tokenizer(out)
     stamp.write_text(json.dumps(meta))
+    return out
+
+
+def _published_layout(out: Path, *, block_fp8: bool, shards: int, mtp: bool, seed: int, init_scale: float) -> None:
+    """Rewrite `out`'s weights as published checkpoints ship them (see the module docstring)."""
+    from safetensors.torch import load_file
+
+    from titan_ext.checkpoint import INDEX_FILE, write_safetensors
+    from titan_ext.models.block_fp8 import SCALE_SUFFIX, BlockFp8Config, quantize
+
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    cfg = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    if mtp:
+        sd.update(_mtp_layer(sd, cfg, seed, init_scale))
+        cfg["num_nextn_predict_layers"] = 1
+    quant = BlockFp8Config() if block_fp8 else None
+    items: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if quant is not None and quant.quantizes(name, tuple(t.shape)):
+            items[name], items[name + SCALE_SUFFIX] = quantize(t, quant.block, name)
+        else:
+            items[name] = t
+    if quant is not None:
+        cfg["quantization_config"] = quant.to_hf()
+    for f in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        f.unlink(missing_ok=True)
+    sizes = [t.numel() * t.element_size() for t in items.values()]
+    # greedy filling to this bound gives at most `shards` shards (each full one holds > total/shards)
+    write_safetensors(items.items(), out, sum(sizes) // shards + max(sizes) if shards > 1 else None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _mtp_layer(sd: dict[str, torch.Tensor], cfg: dict, seed: int, init_scale: float) -> dict[str, torch.Tensor]:
+    """GLM-5's MTP layer as its checkpoint has it: a decoder layer numbered after the last one
+    (here a perturbed copy of the last) plus enorm, hnorm, eh_proj and shared_head.norm."""
+    n, dim = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = {f"model.layers.{n}." + k[len(last):]: v + init_scale * torch.randn(v.shape, generator=gen).to(v.dtype)
+           for k, v in sd.items() if k.startswith(last)}
+    dtype = next(iter(sd.values())).dtype
+    prefix = f"model.layers.{n}."
+    out.update({prefix + "enorm.weight": torch.ones(dim, dtype=dtype), prefix + "hnorm.weight": torch.ones(dim, dtype=dtype),
+                prefix + "shared_head.norm.weight": torch.ones(dim, dtype=dtype),
+                prefix + "eh_proj.weight": (init_scale * torch.randn(dim, 2 * dim, generator=gen)).to(dtype)})
     return out

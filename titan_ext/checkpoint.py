@@ -2,11 +2,22 @@
 
 This is the single-process path used by `moerl check-parity`, tests and tools; the
 distributed trainer loads through TorchTitan's checkpointer with the same adapter.
+
+Checkpoints may be sharded (`model.safetensors.index.json` maps every tensor to its file) and
+block-fp8 (`quantization_config` with `weight_block_size`, as Kimi-K2 and GLM-5 are published:
+`titan_ext.models.block_fp8`). Loading streams: shapes, dtypes and scale pairs are checked from
+the files' headers before any tensor is read, then one shard at a time is read (mmap), each
+tensor dequantized and copied straight into the model's own storage, and the shard closed, so
+host memory holds the model plus at most one shard.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,11 +25,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
+from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, BlockFp8Error, check_scale, dequantize, scale_shape
+
+logger = logging.getLogger(__name__)
 
 _HF_ARCH_OF_MODEL = {name: flavors["full"].hf_architecture for name, flavors in ARCHS.items()}
+INDEX_FILE = "model.safetensors.index.json"
 
 
-def _config_json(ckpt_dir: str | Path) -> dict:
+def config_json(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --hf-checkpoint must be an HF model directory")
@@ -27,7 +42,7 @@ def _config_json(ckpt_dir: str | Path) -> dict:
 
 def model_of_checkpoint(ckpt_dir: str | Path) -> str:
     """The titan_ext model name for the architecture in `ckpt_dir/config.json`."""
-    hf_arch = (_config_json(ckpt_dir).get("architectures") or ["?"])[0]
+    hf_arch = (config_json(ckpt_dir).get("architectures") or ["?"])[0]
     for name, want in _HF_ARCH_OF_MODEL.items():
         if want == hf_arch:
             return name
@@ -39,7 +54,7 @@ def read_arch(ckpt_dir: str | Path, model: str) -> Arch:
     """The architecture in `ckpt_dir/config.json`, checked against the titan_ext model name."""
     get_arch(model, "full")  # raises UnknownModelError listing the models
     path = Path(ckpt_dir) / "config.json"
-    arch = arch_from_hf_config(_config_json(ckpt_dir))
+    arch = arch_from_hf_config(config_json(ckpt_dir))
     if arch.hf_architecture != _HF_ARCH_OF_MODEL[model]:
         raise ValueError(
             f"{path} describes {arch.hf_architecture}, but --model {model} expects {_HF_ARCH_OF_MODEL[model]}"
@@ -47,11 +62,105 @@ def read_arch(ckpt_dir: str | Path, model: str) -> Arch:
     return arch
 
 
-def _safetensors_files(ckpt_dir: Path) -> list[Path]:
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir}")
-    return files
+def checkpoint_quantization(ckpt_dir: str | Path) -> BlockFp8Config | None:
+    """The block-fp8 format `ckpt_dir` stores its weights in, or None for plain tensors.
+
+    Weight export to a replica serving this checkpoint uses it, so the replica receives what
+    its loader expects (the automatic choice of fp8 export)."""
+    return BlockFp8Config.from_hf_config(config_json(ckpt_dir))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint with its file, dtype and shape, from the headers only.
+
+    With an index file, exactly the tensors it lists (each must be in the file it names);
+    without one, every `*.safetensors` file of the directory."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted({ckpt_dir / f for f in weight_map.values()})
+        missing_files = [f.name for f in files if not f.is_file()]
+        if missing_files:
+            raise FileNotFoundError(f"{index} names shard(s) that are not there: {missing_files}")
+    else:
+        weight_map = {}
+        files = sorted(ckpt_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir}")
+    out: dict[str, TensorInfo] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if weight_map and weight_map.get(k) != f.name:
+                    continue
+                sl = h.get_slice(k)
+                out[k] = TensorInfo(f, sl.get_dtype(), tuple(sl.get_shape()))
+    unlisted = sorted(set(weight_map) - set(out))
+    if unlisted:
+        raise BlockFp8Error(f"{index} lists tensor(s) missing from their shard: {unlisted[:20]}")
+    return out
+
+
+def logical_shapes(tensors: dict[str, TensorInfo], quant: BlockFp8Config | None) -> dict[str, tuple[int, ...]]:
+    """The shapes of the weights the checkpoint holds, its `*_scale_inv` tensors paired with
+    their weights: an fp8 weight without its scale, an fp8 weight in a checkpoint that declares
+    no block-fp8 format, and a scale of the wrong shape are refused with the tensor's name; a
+    scale without its weight is left in, so the shape check reports it as unexpected."""
+    shapes = {}
+    for name, info in tensors.items():
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in tensors:
+            continue
+        if info.dtype == "F8_E4M3":
+            if quant is None:
+                raise BlockFp8Error(f"{name} is fp8 but config.json has no block-fp8 quantization_config")
+            scale = tensors.get(name + SCALE_SUFFIX)
+            if scale is None:
+                raise BlockFp8Error(f"{name} is fp8 but the checkpoint has no {name + SCALE_SUFFIX}")
+            if scale.shape != scale_shape(info.shape, quant.block):
+                raise BlockFp8Error(f"{name + SCALE_SUFFIX}: shape {scale.shape}, but weight {info.shape} with "
+                                    f"{quant.block[0]}x{quant.block[1]} blocks needs {scale_shape(info.shape, quant.block)}")
+        shapes[name] = info.shape
+    return shapes
+
+
+def read_weight(handle, name: str, tensors: dict[str, TensorInfo], quant: BlockFp8Config | None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One checkpoint weight in `dtype`; an fp8 weight dequantized with its (checked) scale.
+
+    `handle` is the open shard holding `name`; the scale may sit in another shard."""
+    t = handle.get_tensor(name)
+    if t.dtype != FP8:
+        return t.to(dtype)
+    scale_name = name + SCALE_SUFFIX
+    if tensors[scale_name].file == tensors[name].file:
+        scale = handle.get_tensor(scale_name)
+    else:
+        with safe_open(str(tensors[scale_name].file), "pt") as other:
+            scale = other.get_tensor(scale_name)
+    check_scale(name, tuple(t.shape), scale, quant.block)
+    return dequantize(t, scale, quant.block, dtype)
+
+
+def iter_checkpoint(ckpt_dir: str | Path, names: Iterable[str] | None = None, dtype: torch.dtype = torch.float32
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor in `dtype`) for the checkpoint's weights (or `names`), shard by shard,
+    fp8 weights dequantized; each shard is closed before the next is opened."""
+    tensors = checkpoint_tensors(ckpt_dir)
+    quant = checkpoint_quantization(ckpt_dir)
+    wanted = set(logical_shapes(tensors, quant) if names is None else names)
+    for f in sorted({tensors[n].file for n in wanted}):
+        with safe_open(str(f), "pt") as h:
+            for name in h.keys():
+                if name in wanted and tensors[name].file == f:
+                    yield name, read_weight(h, name, tensors, quant, dtype)
 
 
 def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
@@ -67,28 +176,90 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
         meta_model = spec.model.build()
     adapter = spec.state_dict_adapter(spec.model, None)
     expected = {k: tuple(v.shape) for k, v in adapter.to_hf(meta_model.state_dict()).items()}
-    handles = [safe_open(str(f), "pt") for f in _safetensors_files(ckpt_dir)]
-    shapes = {k: tuple(h.get_slice(k).get_shape()) for h in handles for k in h.keys()}
-    adapter.check_hf_shapes(shapes, expected)
-    hf_sd = {k: h.get_tensor(k).float() for h in handles for k in h.keys() if k in expected}
+    tensors = checkpoint_tensors(ckpt_dir)
+    adapter.check_hf_shapes(logical_shapes(tensors, checkpoint_quantization(ckpt_dir)), expected)
     titan_model = spec.model.build()
-    titan_model.load_state_dict(adapter.from_hf(hf_sd), strict=True)
+    state = titan_model.state_dict()
+    targets = adapter.to_hf(state)
+    _check_views(targets, state)
+    with torch.no_grad():
+        for name, value in iter_checkpoint(ckpt_dir, expected):
+            targets[name].copy_(value)
     return titan_model.eval(), arch
 
 
-def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], model_config, arch: Arch,
-                        out_dir: str | Path) -> Path:
-    """Write a titan_ext state dict (plain tensors) as an HF checkpoint transformers and vLLM load."""
+def _check_views(targets: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Loading copies each HF tensor into the adapter's view of the model's storage (experts are
+    slices of the grouped tensor); an adapter that copied instead would load nothing."""
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    copies = [k for k, t in targets.items() if t.untyped_storage().data_ptr() not in storages]
+    if copies:
+        raise RuntimeError(f"state-dict adapter returned copies, not views of the model, for {copies[:5]}")
+
+
+def write_safetensors(items: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
+                      max_shard_bytes: int | None = None) -> list[Path]:
+    """Write (name, tensor) pairs as safetensors: one `model.safetensors`, or, with
+    `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` of at most that size (a larger
+    tensor gets a shard of its own) plus the index file. Holds one shard in memory at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_sd = state_dict_adapter_cls(arch)(model_config, None).to_hf({k: v.detach() for k, v in state_dict.items()})
-    save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        path = out / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in items}, str(path), metadata={"format": "pt"})
+        return [path]
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        path = out / f".moerl-shard-{len(parts)}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        parts.append((path, list(shard)))
+
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t.contiguous()
+        size += nbytes
+        total += nbytes
+    if shard:
+        flush()
+    weight_map, paths = {}, []
+    for i, (tmp, names) in enumerate(parts):
+        path = out / f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        tmp.rename(path)
+        paths.append(path)
+        weight_map.update(dict.fromkeys(names, path.name))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return paths
+
+
+def write_hf_checkpoint(state_dict: dict[str, torch.Tensor], model_config, arch: Arch, out_dir: str | Path, *,
+                        quant: BlockFp8Config | None = None, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> Path:
+    """Write a titan_ext state dict (plain tensors) as an HF checkpoint transformers and vLLM load.
+
+    `dtype` casts floating tensors (e.g. bf16 for inference); `quant` writes the weights the
+    published layout quantizes in that block-fp8 format (quantized from the `dtype` values,
+    where the tensors live: CUDA by the Triton kernel, else torch), the rest in `dtype`."""
+    from .weights import iter_hf_state
+
+    adapter = state_dict_adapter_cls(arch)(model_config, None)
+    write_safetensors(iter_hf_state(state_dict, adapter, dtype=dtype, quant=quant), out_dir, max_shard_bytes)
     cfg = arch.to_hf_config()
-    cfg["torch_dtype"] = str(next(iter(hf_sd.values())).dtype).removeprefix("torch.")
+    plain = next(t for t in state_dict.values() if t.is_floating_point())
+    cfg["torch_dtype"] = str(dtype or plain.dtype).removeprefix("torch.")
+    if quant is not None:
+        cfg["quantization_config"] = quant.to_hf()
+    out = Path(out_dir)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
-def export_hf_checkpoint(titan_model: torch.nn.Module, arch: Arch, out_dir: str | Path) -> Path:
-    """Write a single-process model as an HF checkpoint (config.json + model.safetensors)."""
-    return write_hf_checkpoint(titan_model.state_dict(), titan_model.config, arch, out_dir)
+def export_hf_checkpoint(titan_model: torch.nn.Module, arch: Arch, out_dir: str | Path, **kw) -> Path:
+    """Write a single-process model as an HF checkpoint (config.json + safetensors); `kw` as
+    `write_hf_checkpoint` (`quant=checkpoint_quantization(src)` keeps a block-fp8 source's format)."""
+    return write_hf_checkpoint(titan_model.state_dict(), titan_model.config, arch, out_dir, **kw)

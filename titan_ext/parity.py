@@ -3,16 +3,30 @@
 Loads one HF checkpoint twice, into titan_ext through the state-dict adapter and
 into transformers' reference model, feeds both the same tokens in fp32 and
 compares logits. This is the check a user runs when porting a model.
+
+Block-fp8 checkpoints (Kimi-K2, GLM-5 as published): transformers cannot build its reference
+from them here. Its fp8 loader needs `accelerate` (not in the lock) and, on CPU, dequantizes
+with a block size derived from the scale grid (rows // scale rows), which is wrong for a weight
+whose last block is cut: a [192, 64] weight gets 96-row blocks, a [576, 128] one
+(kv_a_proj_with_mqa) is refused as "not divisible". So the reference model is transformers
+loading the checkpoint's weights dequantized by the reference formula
+(`block_fp8.dequantize`, w_fp8.float() * scale_inv per 128x128 block) into a temporary plain
+fp32 checkpoint; `ParityReport.reference` says which reference ran.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import load_hf_checkpoint
+from .checkpoint import config_json, checkpoint_quantization, iter_checkpoint, load_hf_checkpoint, write_safetensors
+
+REFERENCE_PLAIN = "transformers on the checkpoint"
+REFERENCE_DEQUANTIZED = "transformers on the checkpoint dequantized by the reference formula (fp32)"
 
 
 @dataclass
@@ -27,6 +41,7 @@ class ParityReport:
     argmax_agreement: float
     tolerance: float
     passed: bool
+    reference: str = REFERENCE_PLAIN
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -35,12 +50,17 @@ class ParityReport:
 def check_parity(
     ckpt_dir: str | Path, model: str, *, seq_len: int = 64, batch: int = 2, tolerance: float = 1e-4, seed: int = 0
 ) -> ParityReport:
-    import transformers
-
     titan_model, arch = load_hf_checkpoint(ckpt_dir, model)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(ckpt_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    if checkpoint_quantization(ckpt_dir) is None:
+        ref, reference = _reference(ckpt_dir), REFERENCE_PLAIN
+    else:
+        with tempfile.TemporaryDirectory(prefix="moerl-parity-") as tmp:
+            cfg = config_json(ckpt_dir)
+            del cfg["quantization_config"]
+            cfg["torch_dtype"] = "float32"
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+            write_safetensors(iter_checkpoint(ckpt_dir), tmp, max_shard_bytes=1 << 30)
+            ref, reference = _reference(tmp), REFERENCE_DEQUANTIZED
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=gen)
     with torch.no_grad():
@@ -59,4 +79,13 @@ def check_parity(
         argmax_agreement=(ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
         tolerance=tolerance,
         passed=max_diff <= tolerance,
+        reference=reference,
     )
+
+
+def _reference(ckpt_dir: str | Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(ckpt_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()

@@ -20,11 +20,13 @@ the update before the first byte.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["layer_groups", "hf_metadata", "iter_hf_weights", "drain", "adapter_for"]
+from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, quantize, scale_shape
+
+__all__ = ["layer_groups", "hf_metadata", "iter_hf_state", "iter_hf_weights", "drain", "adapter_for"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -55,19 +57,35 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()}
 
 
-def _to_hf(adapter, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return adapter.to_hf(group)
+def _meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(tuple(t.shape), dtype=dtype or t.dtype, device="meta")
 
 
-def hf_metadata(model: torch.nn.Module, *, dtype: torch.dtype | None = None, adapter=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def _quantized(adapter, name: str, t: torch.Tensor, quant: BlockFp8Config | None) -> list[str] | None:
+    """The HF names of titan tensor `name` if `quant` stores them in block fp8, else None."""
+    if quant is None:
+        return None
+    hf_names = list(adapter.to_hf({name: _meta(t)}))
+    per_matrix = t.shape[-2:] if t.dim() == 3 and len(hf_names) == t.shape[0] else tuple(t.shape)
+    return hf_names if all(quant.quantizes(k, tuple(per_matrix)) for k in hf_names) else None
+
+
+def hf_metadata(model: torch.nn.Module, *, dtype: torch.dtype | None = None, adapter=None,
+                quant: BlockFp8Config | None = None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(hf_name, dtype, shape) for everything ``iter_hf_weights`` yields, in order; no communication."""
     adapter = adapter or adapter_for(model)
     sd = _state(model)
     out = []
     for names in layer_groups(list(sd)):
-        meta = {n: torch.empty(tuple(sd[n].shape), dtype=_wire_dtype(sd[n], dtype), device="meta") for n in names}
-        for k, v in _to_hf(adapter, meta).items():
-            out.append((k, v.dtype, tuple(v.shape)))
+        for n in names:
+            hf_names = _quantized(adapter, n, sd[n], quant)
+            if hf_names is None:
+                for k, v in adapter.to_hf({n: _meta(sd[n], _wire_dtype(sd[n], dtype))}).items():
+                    out.append((k, v.dtype, tuple(v.shape)))
+                continue
+            shape = tuple(sd[n].shape[-2:])
+            for k in hf_names:
+                out += [(k, FP8, shape), (k + SCALE_SUFFIX, torch.float32, scale_shape(shape, quant.block))]
     return out
 
 
@@ -81,25 +99,40 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | None = None, adapter=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_state(state: Mapping[str, torch.Tensor], adapter, *, dtype: torch.dtype | None = None,
+                  quant: BlockFp8Config | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for a titan state dict, layer by layer (see ``iter_hf_weights``).
+
+    With ``quant``, each weight the published layout stores in block fp8 is cast to ``dtype``
+    and quantized where it lives (a layer's grouped experts in one call: on CUDA one Triton
+    launch), and crosses to the CPU as fp8 plus its float32 ``*_scale_inv``, in that order."""
+    for names in layer_groups(list(state)):
+        for n in names:
+            t = _full(state[n]).detach()
+            t = t.to(_wire_dtype(t, dtype))
+            hf_names = _quantized(adapter, n, t, quant)
+            if hf_names is None:
+                hf = adapter.to_hf({n: t.cpu()})
+                yield from ((k, v.contiguous()) for k, v in hf.items())
+                continue
+            q, s = quantize(t, quant.block, name=hf_names[0])
+            q, s = q.cpu(), s.cpu()
+            pairs = zip(q.unbind(0), s.unbind(0)) if len(hf_names) > 1 else [(q, s)]
+            for k, (qk, sk) in zip(hf_names, pairs):
+                yield k, qk.contiguous()
+                yield k + SCALE_SUFFIX, sk.contiguous()
+            del t, q, s
+
+
+def iter_hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | None = None, adapter=None,
+                    quant: BlockFp8Config | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) layer by layer; call on every rank in lockstep.
 
     ``dtype`` casts floating tensors for the wire (e.g. bf16 for a bf16 server
-    while training in fp32). Tensors are detached CPU tensors, contiguous."""
-    adapter = adapter or adapter_for(model)
-    sd = _state(model)
-    for names in layer_groups(list(sd)):
-        group = {}
-        for n in names:
-            t = _full(sd[n]).detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            group[n] = t.to(_wire_dtype(t, dtype))
-        hf = _to_hf(adapter, group)
-        del group
-        for k, v in hf.items():
-            yield k, v.contiguous()
-        del hf
+    while training in fp32); ``quant`` (``titan_ext.checkpoint.checkpoint_quantization`` of the
+    checkpoint the replica serves) sends its block-fp8 weights as such. Tensors are detached
+    CPU tensors, contiguous."""
+    yield from iter_hf_state(_state(model), adapter or adapter_for(model), dtype=dtype, quant=quant)
 
 
 def drain(model: torch.nn.Module, **kw) -> None:

@@ -8,6 +8,7 @@ instead of loading silently wrong or failing deep inside `load_state_dict`.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,8 @@ _INDEXER_MAP = {
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
+logger = logging.getLogger(__name__)
+
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the model it is loaded into."""
@@ -39,8 +42,13 @@ class MLAMoEStateDictAdapter(DeepSeekV3StateDictAdapter):
             self.from_hf_map.update(_INDEXER_MAP)
 
     def drop_mtp(self, hf_keys: Mapping[str, Any]) -> dict[str, Any]:
-        """Checkpoints may carry MTP layers (numbered after the last decoder layer); we train without them."""
+        """Checkpoints may carry MTP layers (numbered after the last decoder layer; GLM-5 ships one);
+        we train without them: their tensors are left out, with a log line saying so."""
         n_layers = len(self.model_config.layers)
+        mtp = {int(m.group(1)) for k in hf_keys if (m := _LAYER.match(k)) and int(m.group(1)) >= n_layers}
+        if mtp:
+            logger.info("skipping the MTP layer(s) %s of the checkpoint (%d tensors): titan_ext trains without MTP",
+                        sorted(mtp), sum(1 for k in hf_keys if (m := _LAYER.match(k)) and int(m.group(1)) in mtp))
         return {
             k: v for k, v in hf_keys.items()
             if not ((m := _LAYER.match(k)) and int(m.group(1)) >= n_layers)
