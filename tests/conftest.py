@@ -14,17 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
-def ulp(dtype, magnitude: float) -> float:
+def ulp(dtype, magnitude):
     """The spacing of `dtype` (a torch floating dtype) at `magnitude`: one unit in the last place.
+    `magnitude` is a number, or a tensor for the spacing at each of its elements (a float32 tensor).
 
     Tolerances on bf16/fp16 data are written as a count of these, at the magnitude of the values
     compared, because a kernel may round differently on another processor; a fixed `atol` tuned on
-    one machine is one ulp too tight on the next."""
+    one machine is one ulp too tight on the next. Below the smallest normal the spacing stays that
+    of the subnormals."""
     import math
 
     import torch
 
     info = torch.finfo(dtype)
+    if isinstance(magnitude, torch.Tensor):
+        _, exponent = torch.frexp(magnitude.detach().float().abs().clamp_min(info.tiny))
+        return info.eps * torch.exp2(exponent.float() - 1)
     magnitude = max(abs(float(magnitude)), info.tiny)
     return info.eps * 2.0 ** math.floor(math.log2(magnitude))
 
