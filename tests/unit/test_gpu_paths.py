@@ -54,6 +54,7 @@ def test_lean_dispatch_matches_torchtitan_dispatch(model, pad):
         outs.append(y)
         grads.append([xi.grad] + [p.grad for p in m.parameters()])
     assert _rel(outs[1], outs[0]) < 1e-5
+    assert len(grads[1]) == len(grads[0])
     for g_lean, g_stock in zip(grads[1], grads[0]):
         assert _rel(g_lean, g_stock) < 1e-5
 
