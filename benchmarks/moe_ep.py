@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per GPU:
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/moe_ep.py --out benchmarks/results/moe_block_h200.json
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.moe_ep --out benchmarks/results/moe_block_h200.json
 
 Each rank holds `local experts` of the model (48 for Kimi-K2, 32 for GLM-5: the EP=8
 count of the block benchmark), so the model has ranks x local experts in total, and
@@ -18,36 +18,32 @@ of the routed rows leave the rank). Measured in one run, per case:
 
 Bandwidth counts the bytes that cross between ranks (rows sent to another rank x hidden
 x 2 bytes, both directions). Rank 0 writes the result under the key "ep" of `--out`
-(read, updated, written), so it lands beside the single-GPU block results.
+(other keys kept), so it lands beside the single-GPU block results.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
+from titan_ext.models import get_arch
+from titan_ext.models.experts import LeanTokenDispatcher
+from torchtitan.distributed.utils import set_spmd_backend
 
-import titan_ext  # noqa: E402,F401  (applies patches/ before torchtitan is imported)
-from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
-
-from titan_ext.models import get_arch  # noqa: E402
-from titan_ext.models.experts import LeanTokenDispatcher  # noqa: E402
-from moe_block import LOCAL_EXPERTS  # noqa: E402  (the block benchmark's EP=8 local expert counts)
-
+from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info
 
 
 def timed(fn, iters: int, warmup: int, dev) -> float:
-    """Median ms over iters, every rank in step (barrier before each run)."""
+    """Median ms over iters, every rank in step (barrier before each run): wall clock, as the
+    all-to-alls make every rank wait for the slowest."""
     for _ in range(warmup):
         fn()
     out = []
@@ -122,11 +118,7 @@ def case(model: str, tokens: int, mesh, dev, iters: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/moe_block_h200.json")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
-    ap.add_argument("--models", nargs="+", default=["kimi_k2", "glm5"])
-    ap.add_argument("--iters", type=int, default=10)
+    ap = moe_arg_parser(__doc__, iters=10)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -144,17 +136,12 @@ def main() -> None:
             if rank == 0:
                 print(json.dumps(c), flush=True)
     if rank == 0:
-        path = Path(args.out)
-        res = json.loads(path.read_text()) if path.exists() else {}
-        res["ep"] = {
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
+        ResultsFile(Path(args.out)).update({"ep": {
+            **run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"),
             "backend": dist.get_backend(),
             "dispatcher": "TorchTitan AllToAllTokenDispatcher (titan_ext LeanTokenDispatcher with an EP mesh)",
-            "command": "torchrun --nproc_per_node %d benchmarks/moe_ep.py %s" % (world, " ".join(sys.argv[1:])),
             "cases": cases,
-        }
-        res.pop("ep_note", None)
-        path.write_text(json.dumps(res, indent=1))
+        }})
     dist.destroy_process_group()
 
 
