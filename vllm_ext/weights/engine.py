@@ -20,7 +20,6 @@ snapshot taken just before. Either way the call raises a
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -34,11 +33,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .wire import StreamReceiver, TensorMeta, WeightUpdateError, dtype_name, read_fs
+from .format import TensorMeta, WeightUpdateError
+from .stream import StreamReceiver
+from .wire import read_fs
 
 logger = logging.getLogger("vllm_ext.weights")
-
-BACKEND = "moerl"
 
 
 @dataclass
@@ -191,8 +190,4 @@ def _live_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def describe(update_info: dict) -> str:
-    return json.dumps({k: v for k, v in update_info.items() if k in ("transport", "version", "path", "rank")})
-
-
-__all__ = ["BACKEND", "MoerlWeightTransferEngine", "checkpoint_layout", "dtype_name"]
+__all__ = ["MoerlWeightTransferEngine", "checkpoint_layout"]

@@ -7,7 +7,7 @@ other cores, while the sender fills the next slot: two copies, pipelined, and
 the ring small enough (8 x 1 MiB) to stay in the last-level cache, so each copy
 touches main memory only on its far side.
 
-What stays on torch.distributed (``wire.py``, ``channel.py``): the session
+What stays on torch.distributed (``stream.py``, ``channel.py``): the session
 handshake, the manifest and each receiver's choice of lane (through the
 sender's TCPStore), the trailer and the closing barrier (gloo), and failure
 detection: each side keeps one gloo operation posted for the whole data phase
@@ -21,7 +21,7 @@ x86-64's total store order, so the lane is x86-64 Linux only; elsewhere every
 receiver takes the network path.
 
 Integrity: the sender hashes every slot right after filling it and the receiver
-hashes its own copy right after copying it (xxh3-64, ``wire.hasher``), both
+hashes its own copy right after copying it (xxh3-64, ``format.hasher``), both
 while the bytes are still in the core's cache: the bytes a receiver applies
 are the bytes the sender hashed, and a piece changed in shared memory (or read
 from the wrong slot) is refused. The cost, measured: xxh3 on cached data runs
@@ -59,6 +59,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .format import WeightUpdateError, hasher
 
 __all__ = ["RingShape", "ShmOffer", "ShmRing", "RingWriter", "attach", "choose", "digester", "gather",
            "host_id", "pieces", "read_ring", "sweep"]
@@ -226,8 +228,6 @@ class ShmRing:
         return cls(final, fd, mm, shape, readers, token, owner=True)
 
     def offer(self) -> ShmOffer:
-        from .wire import hasher
-
         return ShmOffer(name=self.name, host=host_id(), token=self.token, slots=self.shape.slots,
                         slot_bytes=self.shape.slot_bytes, readers=self.readers, checksum=hasher()[0])
 
@@ -267,8 +267,6 @@ def attach(offer: ShmOffer) -> ShmRing:
 
 def choose(offer: dict | None, reader: int) -> tuple[ShmRing | None, str]:
     """The receiver's lane: (ring, why) or (None, why not)."""
-    from .wire import hasher
-
     if offer is None:
         return None, "the sender offers no shared memory (network path forced or unavailable there)"
     try:
@@ -342,9 +340,7 @@ def pieces(sizes: Sequence[int], slot_bytes: int) -> Iterator[tuple[int, int, in
 
 
 def digester() -> Callable[[memoryview], int]:
-    """The wire's 64-bit hash (``wire.hasher``) as a function of a buffer."""
-    from .wire import hasher
-
+    """The transports' 64-bit hash (``format.hasher``) as a function of a buffer."""
     make = hasher()[1]
 
     def digest(view: memoryview) -> int:
@@ -380,8 +376,6 @@ def _wait(lagging: Lagging, watch, what: str) -> None:
     counter moves (no lost wakeup: the kernel compares with the judged value).
     Between sleeps, fail if the watched gloo operation finished: with an error
     (the peer died or timed out) or early (the peer gave up)."""
-    from .wire import WeightUpdateError
-
     while (behind := lagging()) is not None:
         if watch.is_completed():
             try:
