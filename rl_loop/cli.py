@@ -81,57 +81,80 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameter counts of a titan_ext model (meta device)")
-    info.add_argument("--model", choices=MODELS, required=True)
-    info.add_argument("--flavor", choices=("full", "tiny"), default="full")
+    info.add_argument("--model", choices=MODELS, required=True, help="titan_ext model")
+    info.add_argument("--flavor", choices=("full", "tiny"), default="full", help="model size (default %(default)s)")
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(fn=cmd_info)
 
     parity = sub.add_parser("check-parity", help="titan_ext vs transformers logits on one HF checkpoint (fp32)")
-    parity.add_argument("--hf-checkpoint", required=True, metavar="DIR")
-    parity.add_argument("--model", choices=MODELS, required=True)
-    parity.add_argument("--seq-len", type=int, default=64)
-    parity.add_argument("--batch", type=int, default=2)
-    parity.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (default 1e-4)")
-    parity.add_argument("--seed", type=int, default=0)
-    parity.add_argument("--json", action="store_true")
+    parity.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="HF checkpoint directory")
+    parity.add_argument("--model", choices=MODELS, required=True, help="titan_ext model the checkpoint is")
+    parity.add_argument("--seq-len", type=positive_int, default=64,
+                        help="tokens per random input sequence (default %(default)s)")
+    parity.add_argument("--batch", type=positive_int, default=2, help="input sequences (default %(default)s)")
+    parity.add_argument("--tolerance", type=float, default=1e-4,
+                        help="max |logit diff| allowed (default %(default)s)")
+    parity.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
+    parity.add_argument("--json", action="store_true", help="print a JSON report")
     parity.set_defaults(fn=cmd_check_parity)
 
     tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random HF checkpoint + tokenizer")
-    tiny.add_argument("--arch", choices=("qwen3_moe", "kimi_k2", "glm5"), required=True)
-    tiny.add_argument("--out", required=True)
-    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    tiny.add_argument("--init-scale", type=float, default=0.02)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", choices=("qwen3_moe", "kimi_k2", "glm5"), required=True, help="architecture")
+    tiny.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the saved weights (default %(default)s)")
+    tiny.add_argument("--init-scale", type=float, default=0.02,
+                      help="weight std; 0.1-0.3 makes routing matter (default %(default)s)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the weights (default %(default)s)")
     tiny.set_defaults(fn=cmd_make_tiny)
 
     from rl_loop.config import describe
 
     rl = sub.add_parser("rl", help="run RL: vLLM replicas + TorchTitan trainer + router, async",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="config keys (TOML sections), with defaults:\n" + describe())
+                        epilog="config keys (TOML sections), with defaults, types and ranges:\n" + describe())
     rl.add_argument("--config", required=True, help="TOML file, e.g. configs/tiny_kimi_k2.toml")
     rl.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
-    rl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=5")
+    rl.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a config key, e.g. train.steps=5 (a TOML value; text keys take the text as "
+                         "given: train.cpus= is '')")
     rl.set_defaults(fn=cmd_rl)
 
     mm = sub.add_parser("mismatch", help="trainer vs vLLM token-probability mismatch, with and without router replay")
-    mm.add_argument("--hf-checkpoint", required=True, metavar="DIR")
+    mm.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="HF checkpoint directory to serve and load")
     mm.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: built-in prompts)")
-    mm.add_argument("--num-samples", type=int, default=256, help="completions (one per prompt)")
-    mm.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (EOS ignored)")
-    mm.add_argument("--json-out", required=True, metavar="FILE")
-    mm.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="vLLM inference dtype")
-    mm.add_argument("--temperature", type=float, default=1.0)
-    mm.add_argument("--seed", type=int, default=0)
-    mm.add_argument("--port", type=int, default=18600, help="port of the vLLM server started for the run")
-    mm.add_argument("--batch-size", type=int, default=16, help="sequences per trainer forward")
+    mm.add_argument("--num-samples", type=positive_int, default=256,
+                    help="completions, one per prompt (default %(default)s)")
+    mm.add_argument("--max-tokens", type=positive_int, default=64,
+                    help="tokens per completion, EOS ignored; the longest prompt plus this must fit the "
+                         "checkpoint's max_position_embeddings (default %(default)s)")
+    mm.add_argument("--json-out", required=True, metavar="FILE", help="where the JSON report goes")
+    mm.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="vLLM inference dtype (default %(default)s)")
+    mm.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
+    mm.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling (default %(default)s)")
+    mm.add_argument("--port", type=int, default=18600,
+                    help="port of the vLLM server started for the run (default %(default)s)")
+    mm.add_argument("--batch-size", type=positive_int, default=16,
+                    help="sequences per trainer forward (default %(default)s)")
     mm.add_argument("--name", help="label in the report (default: model and checkpoint directory)")
-    mm.add_argument("--log-dir", help="where the vLLM server log goes (default: a temporary directory)")
+    mm.add_argument("--log-dir", metavar="DIR", help="where the vLLM server log goes (default: a temporary directory)")
     mm.set_defaults(fn=cmd_mismatch)
 
     for name, (_, help_text) in DELEGATED.items():
@@ -152,9 +175,14 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
     args = build_parser().parse_args(argv)
+    from rl_loop.replicas import ServerStartError
+
     try:
         code = args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # bad input: nothing ran
         print(f"moerl {args.command}: error: {e}", file=sys.stderr)
         code = 2
+    except ServerStartError as e:
+        print(f"moerl {args.command}: error: {e}", file=sys.stderr)
+        code = 1
     raise SystemExit(code)

@@ -89,17 +89,19 @@ def read_prompts(path: str | None, n: int, seed: int) -> list[str]:
 
 
 def sample_completions(cfg: MismatchConfig, prompt_ids: list[list[int]]) -> list:
-    """Serve the checkpoint (one vLLM server, stopped before returning) and sample one completion per prompt."""
+    """Serve the checkpoint (one vLLM server, stopped before returning) and sample one completion per prompt.
+
+    The server is sized for the longest prompt plus `max_tokens`; a request the checkpoint's
+    context cannot hold is refused before the server starts."""
     import aiohttp
 
-    from .replicas import served_model_name, start_replica, stop_replica, wait_healthy
+    from .replicas import fit_context, served_model_name, start_replica, stop_replica, wait_healthy
     from .rollouts import request_group
 
+    max_model_len = fit_context(cfg.hf_checkpoint, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moerl-mismatch-"))
-    longest = max(len(p) for p in prompt_ids) + cfg.max_tokens
-    extra = ["--max-model-len", str(max(1024, 32 * ((longest + 31) // 32)))]
     replica = start_replica("mismatch", cfg.hf_checkpoint, cfg.port, log_dir, dtype=cfg.dtype,
-                            max_num_seqs=cfg.concurrency, extra=extra)
+                            max_model_len=max_model_len, max_num_seqs=cfg.concurrency)
     try:
         wait_healthy([replica], timeout_s=cfg.startup_timeout_s)
         model_name = served_model_name(replica)

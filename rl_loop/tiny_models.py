@@ -59,12 +59,15 @@ def make_tiny_checkpoint(
     block_fp8: bool = False,
     shards: int = 1,
     mtp: bool = False,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments).
 
     Every weight matrix is drawn from N(0, init_scale); a tensor whose name
     contains a key of `init_scales` (parameters and buffers, any rank) is drawn
-    from N(0, that value) instead (the first matching key wins)."""
+    from N(0, that value) instead (the first matching key wins).
+    `max_position_embeddings` overrides the context the config declares (tests of a
+    checkpoint's context limit)."""
     import transformers
 
     if arch not in ARCHS:
@@ -74,6 +77,8 @@ def make_tiny_checkpoint(
     meta = {"arch": arch, "dtype": dtype, "init_scale": init_scale, "seed": seed}
     if init_scales:
         meta["init_scales"] = dict(init_scales)
+    if max_position_embeddings is not None:
+        meta["max_position_embeddings"] = max_position_embeddings
     if block_fp8 or shards != 1 or mtp:
         meta.update(block_fp8=block_fp8, shards=shards, mtp=mtp)
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
@@ -81,6 +86,8 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(arch, dtype)
     config.initializer_range = init_scale
+    if max_position_embeddings is not None:
+        config.max_position_embeddings = max_position_embeddings
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     overrides = dict(init_scales or {})

