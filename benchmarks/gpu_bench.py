@@ -110,6 +110,16 @@ def timed_interleaved(fns: Sequence[Callable[[], object]], iters: int, warmup: i
     return [statistics.median(ts) for ts in times]
 
 
+def dense_bf16_tflops(n: int = 8192, iters: int = 20, warmup: int = 3) -> float:
+    """The GPU's dense bf16 rate: median TFLOP/s of an n^3 `torch.matmul` on random data.
+
+    The yardstick for "fraction of the device": measured in the same run as the figures
+    compared with it, since these shared GPUs' clocks differ between leases."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = timed(lambda: a @ b, iters, warmup)
+    return 2 * n**3 / ms / 1e9
+
+
 def zero_grads(m: torch.nn.Module) -> None:
     for p in m.parameters():
         p.grad = None

@@ -44,7 +44,8 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from .gpu_bench import (
-    LOCAL_EXPERTS, Clock, ResultsFile, cuda_device, moe_arg_parser, run_info, timed, timed_interleaved, zero_grads)
+    LOCAL_EXPERTS, Clock, ResultsFile, cuda_device, dense_bf16_tflops, moe_arg_parser, run_info, timed, timed_interleaved,
+    zero_grads)
 
 
 def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = False):
@@ -302,6 +303,8 @@ def main() -> None:
                            "shared expert, torch.compile on routed_experts and shared_experts",
             "replay": "ReplayRouter with recorded ids (5% of tokens differ from own top-k)",
             "roofline": "torch._grouped_mm SwiGLU expert FFN alone, fwd+bwd, same routed rows per expert",
+            "dense_bf16": "8192^3 bf16 torch.matmul, median of 20, measured before and after the cases; "
+                          "fraction_of_dense_bf16 = case TFLOP/s / mean of the two",
             "flops": "gate + routed experts + shared expert matmuls, fwd+bwd = 3x fwd",
             "fp8_tolerance": {"loss_rel_diff": 0.01, "grad_rel_l2": 0.1},
             "fp8_grouped_ffn_tflops": "titan_ext's fp8 expert FFN alone (fp8_swiglu, weights quantised every step), "
@@ -315,6 +318,7 @@ def main() -> None:
         res["torchao"] = torchao.__version__
     except Exception as e:  # noqa: BLE001
         res["torchao"] = f"unavailable: {e}"
+    res["dense_bf16_tflops"] = {"before": round(dense_bf16_tflops(), 1)}
     run = BlockRun(res, ResultsFile(Path(args.out)), clock, clock.t0 + args.budget_s, args.iters)
     for model in args.models:
         try:
@@ -323,12 +327,18 @@ def main() -> None:
             clock.log("MoE failed:\n" + traceback.format_exc())
             res["errors"].append(f"{model}: {traceback.format_exc(limit=3)}")
             torch.cuda.empty_cache()
+    dense = res["dense_bf16_tflops"]
+    dense["after"] = round(dense_bf16_tflops(), 1)
+    dense["mean"] = round((dense["before"] + dense["after"]) / 2, 1)
+    for c in res["cases"]:
+        c["fraction_of_dense_bf16"] = round(c["tflops"] / dense["mean"], 3)
     res["wall_s"] = round(time.time() - clock.t0, 1)
     run.save()
     print("\n== summary ==")
     for c in res["cases"]:
         print(f"{c['model']:8s} T={c['tokens']:6d} {c['dtype']:4s} replay={int(c['replay'])} {c['variant']:38s} "
               f"{c['ms']:9.2f} ms {c['tflops']:7.1f} TF/s  roof {c['roofline_tflops']:6.1f} ({c['fraction_of_roofline']:.1%})")
+    print(f"dense bf16 matmul {dense}")
     for k, v in res["fp8_numerics"].items():
         print("fp8 numerics", k, v["loss_rel_diff"], max(v["grad_rel_l2"].values()))
     for e in res["errors"]:
