@@ -48,6 +48,8 @@ class TrainerSpec:
     max_ratio: float
     checkpoint_interval: int
     wire_dtype: str = "bfloat16"
+    dispatcher: str = "lean"
+    fp8: bool = False
     max_grad_norm: float = 1.0
     poll_s: float = 0.05
 
@@ -120,8 +122,10 @@ def reduce_metrics(local: dict, total_tokens: int) -> dict:
             "mismatch_k3_max": peak.item(), "tokens": total_tokens}
 
 
-def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype: torch.dtype) -> None:
+def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype: torch.dtype, quant=None) -> None:
     """Write policy `version` for the replicas (vllm_ext's filesystem transport), one layer at a time.
+
+    `quant`: the block-fp8 format of the checkpoint the replicas serve (None: plain `wire_dtype`).
 
     Every rank takes part in the per-layer gathers; rank 0 writes the shards and,
     last, the commit marker, so a replica never loads a half-written version.
@@ -130,9 +134,9 @@ def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype:
     from vllm_ext.weights.wire import write_fs
 
     if dist.get_rank() == 0:
-        write_fs(out, iter_hf_weights(model, dtype=wire_dtype), version)
+        write_fs(out, iter_hf_weights(model, dtype=wire_dtype, quant=quant), version)
     else:
-        drain(model, dtype=wire_dtype)
+        drain(model, dtype=wire_dtype, quant=quant)
 
 
 def die_with_parent() -> None:
@@ -156,7 +160,8 @@ def die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     import titan_ext  # noqa: F401 - importing it applies the runtime patches
-    from titan_ext.checkpoint import read_arch
+    from titan_ext.checkpoint import checkpoint_quantization, read_arch
+    from titan_ext.options import TitanExtOptions, apply_options
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
 
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_ext.models import spec_from_arch
 
     cfg.model_spec = spec_from_arch(spec.model, spec.flavor, arch)
+    apply_options(cfg, TitanExtOptions(dispatcher=spec.dispatcher, fp8=spec.fp8))
     cfg.hf_assets_path = spec.init_checkpoint
     cfg.dump_folder = str(run_dir / "trainer")
     cfg.training.steps = spec.steps
@@ -193,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_config = LossConfig(max_ratio=spec.max_ratio)
     wire_dtype = getattr(torch, spec.wire_dtype)
+    quant = checkpoint_quantization(spec.init_checkpoint)  # the replicas serve this checkpoint's format
     if trainer.step == 0:
-        publish_weights(model, weights_dir(run_dir, 0), 0, wire_dtype)
+        publish_weights(model, weights_dir(run_dir, 0), 0, wire_dtype, quant)
     while trainer.step < spec.steps:
         step = trainer.step + 1
         path = batch_path(run_dir, step)
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         trainer.checkpointer.save(curr_step=step, last_step=step == spec.steps)
-        publish_weights(model, weights_dir(run_dir, step), step, wire_dtype)
+        publish_weights(model, weights_dir(run_dir, step), step, wire_dtype, quant)
         publish_s = time.perf_counter() - t1
         if rank == 0:
             grad = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
