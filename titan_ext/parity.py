@@ -11,19 +11,18 @@ whose last block is cut: a [192, 64] weight gets 96-row blocks, a [576, 128] one
 (kv_a_proj_with_mqa) is refused as "not divisible". So the reference model is transformers
 loading the checkpoint's weights dequantized by the reference formula
 (`block_fp8.dequantize`, w_fp8.float() * scale_inv per 128x128 block) into a temporary plain
-fp32 checkpoint; `ParityReport.reference` says which reference ran.
+fp32 checkpoint (`checkpoint.dequantized_copy`); `ParityReport.reference` says which reference ran.
 """
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import config_json, checkpoint_quantization, iter_checkpoint, load_hf_checkpoint, write_safetensors
+from .checkpoint import checkpoint_quantization, dequantized_copy, load_hf_checkpoint
 
 REFERENCE_PLAIN = "transformers on the checkpoint"
 REFERENCE_DEQUANTIZED = "transformers on the checkpoint dequantized by the reference formula (fp32)"
@@ -55,12 +54,7 @@ def check_parity(
         ref, reference = _reference(ckpt_dir), REFERENCE_PLAIN
     else:
         with tempfile.TemporaryDirectory(prefix="moerl-parity-") as tmp:
-            cfg = config_json(ckpt_dir)
-            del cfg["quantization_config"]
-            cfg["torch_dtype"] = "float32"
-            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-            write_safetensors(iter_checkpoint(ckpt_dir), tmp, max_shard_bytes=1 << 30)
-            ref, reference = _reference(tmp), REFERENCE_DEQUANTIZED
+            ref, reference = _reference(dequantized_copy(ckpt_dir, tmp)), REFERENCE_DEQUANTIZED
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=gen)
     with torch.no_grad():
