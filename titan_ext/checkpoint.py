@@ -192,6 +192,7 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
     expected = {k: tuple(v.shape) for k, v in adapter.to_hf(meta_model.state_dict()).items()}
     tensors = checkpoint_tensors(ckpt_dir)
     adapter.check_hf_shapes(logical_shapes(tensors, checkpoint_quantization(ckpt_dir)), expected)
+    adapter.from_hf({})  # the adapter's own checks of the model config (TorchTitan's: the rope class)
     titan_model = spec.model.build()
     state = titan_model.state_dict()
     targets = adapter.to_hf(state)
