@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, BlockFp8Error, check_scale, dequantize, scale_shape
+from .models.state_dict_adapter import CheckpointMismatchError
 
 _HF_ARCH_OF_MODEL = {name: flavors["full"].hf_architecture for name, flavors in ARCHS.items()}
 INDEX_FILE = "model.safetensors.index.json"
@@ -101,7 +102,7 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
                 out[k] = TensorInfo(f, sl.get_dtype(), tuple(sl.get_shape()))
     unlisted = sorted(set(weight_map) - set(out))
     if unlisted:
-        raise BlockFp8Error(f"{index} lists tensor(s) missing from their shard: {unlisted[:20]}")
+        raise CheckpointMismatchError(f"{index} lists tensor(s) missing from their shard: {unlisted[:20]}")
     return out
 
 
