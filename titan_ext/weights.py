@@ -1,13 +1,18 @@
-"""Stream a (sharded) titan_ext model's weights in HF layout, one layer at a time.
+"""Stream a (sharded) titan_ext model's weights in HF layout, in layer order.
 
 For weight sync to inference (``vllm_ext.weights`` consumes the stream; titan_ext
 does not import it). The model may be plain, FSDP2-sharded, expert-parallel or
 both: each parameter that is a ``DTensor`` is materialised with
-``full_tensor()`` (a collective) **one layer group at a time** (the embeddings,
-each decoder layer, then the final norm and LM head), converted to HF names and
-shapes with the checkpoint adapter (grouped experts split per expert), yielded,
-and dropped before the next group is gathered: peak extra memory per rank is one
-layer, never the whole model.
+``full_tensor()`` (a collective) **one tensor at a time**, in layer order (the
+embeddings, each decoder layer, then the final norm and LM head), converted to HF
+names and shapes with the checkpoint adapter (grouped experts split per expert),
+yielded, and dropped before the next is gathered: peak extra memory per rank is
+one tensor, never the whole model.
+
+When the replicas serve a block-fp8 checkpoint (``quant``, from
+``titan_ext.checkpoint.checkpoint_quantization``), the weights that checkpoint stores
+in fp8 are quantized where the gathered tensor lives (``models.block_fp8``: the Triton
+kernel on CUDA, torch on CPU) and each is followed by its ``*_scale_inv``.
 
 Every rank of the model's process group must iterate ``iter_hf_weights`` in
 lockstep (the gathers are collectives); typically rank 0 sends what it yields
