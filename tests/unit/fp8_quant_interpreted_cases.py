@@ -47,7 +47,7 @@ def _inputs(rows, cols, seed):
     return x.to(torch.bfloat16)
 
 
-def _same_rows(got, want, scale_rtol=1e-5):
+def _same_rows(got, want, scale_rtol=1e-5):  # scales and column maxima are fp32, computed alike
     torch.testing.assert_close(got.scale, want.scale, rtol=scale_rtol, atol=0)
     torch.testing.assert_close(got.colmax, want.colmax, rtol=scale_rtol, atol=0)
     _same_fp8(got.q, want.q)
@@ -93,7 +93,7 @@ def test_swiglu_bwd_rows(with_score):
     h = h.detach()
     torch.testing.assert_close(hmax, (h.abs() * hmul[:, None]).view(3, 16, 50).amax(1), rtol=1e-5, atol=0)
     torch.testing.assert_close(hmax, hmax0, rtol=1e-5, atol=0)
-    if with_score:  # the score gradient <dh, h>
+    if with_score:  # the score gradient <dh, h>: fp32 sums, in another order
         torch.testing.assert_close(r.dot, (dh.float() * h).sum(1), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(r.dot, r0.dot, rtol=1e-4, atol=1e-4)
     else:
