@@ -103,24 +103,48 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+def _quantize_sharded(t: torch.Tensor, quant: BlockFp8Config, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8, scale_inv) of the full tensor `t`.
+
+    Grouped experts sharded only on the expert dim (FSDP2's and expert parallel's layout) are
+    quantized where each rank holds them and gathered as fp8 + scales: half the bytes of
+    gathering bf16, and each rank quantizes its own experts. Anything else (row-sharded 2-D
+    weights, whose shards need not align with 128-row blocks) is gathered first."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(t, DTensor) and t.dim() == 3
+            and all(p.is_replicate() or p.is_shard(0) for p in t.placements)):
+        return quantize(_full(t), quant.block, name)
+    q, s = quantize(t.to_local(), quant.block, name)
+
+    def gather(local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=stride).full_tensor()
+
+    # fp8 travels as bytes: collectives (gloo) need not know the dtype
+    return gather(q.view(torch.uint8), tuple(t.shape)).view(FP8), gather(s, scale_shape(tuple(t.shape), quant.block))
+
+
 @torch.no_grad()
 def iter_hf_state(state: Mapping[str, torch.Tensor], adapter, *, dtype: torch.dtype | None = None,
                   quant: BlockFp8Config | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) for a titan state dict, layer by layer (see ``iter_hf_weights``).
 
     With ``quant``, each weight the published layout stores in block fp8 is cast to ``dtype``
-    and quantized where it lives (a layer's grouped experts in one call: on CUDA one Triton
-    launch), and crosses to the CPU as fp8 plus its float32 ``*_scale_inv``, in that order."""
+    and quantized on the device it lives on (a layer's grouped experts in one call: on CUDA
+    one Triton launch; sharded experts before the gather), and crosses to the CPU as fp8
+    plus its float32 ``*_scale_inv``, in that order."""
     for names in layer_groups(list(state)):
         for n in names:
-            t = _full(state[n]).detach()
+            t = state[n].detach()
             t = t.to(_wire_dtype(t, dtype))
             hf_names = _quantized(adapter, n, t, quant)
             if hf_names is None:
-                hf = adapter.to_hf({n: t.cpu()})
+                hf = adapter.to_hf({n: _full(t).cpu()})
                 yield from ((k, v.contiguous()) for k, v in hf.items())
                 continue
-            q, s = quantize(t, quant.block, name=hf_names[0])
+            q, s = _quantize_sharded(t, quant, hf_names[0])
             q, s = q.cpu(), s.cpu()
             pairs = zip(q.unbind(0), s.unbind(0)) if len(hf_names) > 1 else [(q, s)]
             for k, (qk, sk) in zip(hf_names, pairs):

@@ -167,3 +167,46 @@ def test_fp8_weight_update_is_what_a_fresh_fp8_server_would_load(published, tmp_
     write_fs(tmp_path / "plain", iter_hf_weights(model, dtype=torch.bfloat16), 2)
     with pytest.raises(WeightUpdateError, match="missing.*weight_scale_inv"):
         read_fs(tmp_path / "plain", version=2, expected=layout)
+
+
+SHARDED_WORKER = textwrap.dedent('''
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    import titan_ext  # noqa: F401 (patches)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from titan_ext.checkpoint import checkpoint_quantization, load_hf_checkpoint
+    from titan_ext.weights import iter_hf_weights
+    dist.init_process_group("gloo")
+    model, _ = load_hf_checkpoint(sys.argv[2], "kimi_k2")
+    quant = checkpoint_quantization(sys.argv[2])
+    whole = list(iter_hf_weights(model, dtype=torch.bfloat16, quant=quant))
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    experts = [p for n, p in model.named_parameters() if "inner_experts" in n]
+    assert experts and all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in experts)
+    sharded = list(iter_hf_weights(model, dtype=torch.bfloat16, quant=quant))
+    if dist.get_rank() == 0:
+        assert [k for k, _ in sharded] == [k for k, _ in whole]
+        bad = [k for (k, a), (_, b) in zip(sharded, whole)
+               if a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8))]
+        assert not bad, bad[:5]
+        print(f"OK {len(whole)} tensors, {sum(v.dtype == torch.float8_e4m3fn for _, v in whole)} fp8")
+    dist.barrier()
+    dist.destroy_process_group()
+''')
+
+
+def test_sharded_experts_quantized_per_rank_equal_the_whole_model(published, tmp_path):
+    """FSDP2 over 2 gloo ranks: grouped experts (sharded on the expert dim) are quantized on
+    each rank and gathered as fp8 + scales; the stream equals the unsharded one byte for byte."""
+    from tests.conftest import run_torchrun
+
+    script = tmp_path / "sharded_worker.py"
+    script.write_text(SHARDED_WORKER)
+    r = run_torchrun(2, str(script), str(ROOT), str(published("kimi_k2")), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "OK" in r.stdout
