@@ -139,12 +139,15 @@ def _routing_fields(output: Any, prompt_len: int, request: Any, hf_config: Any) 
 
 
 def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, dict[str, str]]:
-    """Routing fields of each finished output of `res`, by output index (encoded once, in place)."""
+    """Routing fields of each finished output of `res`, by output index (encoded once, in place).
+
+    Per output, not per request: when streaming with n > 1, a sample that finishes before
+    its siblings comes in a result that is not finished yet, and its chunk is its last."""
     out: dict[int, dict[str, str]] = {}
-    if not getattr(res, "finished", False):
-        return out
     plen = len(res.prompt_token_ids or [])
     for o in res.outputs:
+        if getattr(o, "finish_reason", None) is None:
+            continue
         fields = _routing_fields(o, plen, request, hf_config)
         if fields:
             out[o.index] = fields

@@ -76,11 +76,13 @@ def test_unknown_reason_is_refused():
 
 
 def test_missing_routing_becomes_the_choice_field_and_a_count(counter):
-    out = SimpleNamespace(index=0, routed_experts=None)
+    out = SimpleNamespace(index=0, routed_experts=None, finish_reason="length")
     api.mark_missing(out, RoutingMissing(SHM_FULL, "request r: no room"))
     api.mark_missing(SimpleNamespace(routed_experts=None), RoutingMissing(CAPTURE_OFF, "off"))
     assert out.routed_experts is None and out.routed_experts_error == "shm_full: request r: no room"
-    res = SimpleNamespace(finished=True, prompt_token_ids=[1, 2], outputs=[out])
+    # streaming n > 1: a sample that finishes before its siblings comes in a result not finished yet
+    running = SimpleNamespace(index=1, routed_experts=None, finish_reason=None)
+    res = SimpleNamespace(finished=False, prompt_token_ids=[1, 2], outputs=[out, running])
     assert api._encode_request_output(res, None, None) == {0: {"routed_experts_error": "shm_full: request r: no room"}}
     for name in ("moerl:routing_missing_total", "moerl_routing_missing_total"):
         assert counter(name, SHM_FULL) == 1 and counter(name, CAPTURE_OFF) == 1
@@ -88,7 +90,7 @@ def test_missing_routing_becomes_the_choice_field_and_a_count(counter):
 
     # rows that do not make a record for this model: encode_failed, not a silent null
     cfg = SimpleNamespace(num_hidden_layers=2, mlp_only_layers=[], decoder_sparse_step=1, num_experts=4)
-    bad = SimpleNamespace(index=1, routed_experts=np.full((3, 2, 2), 7, np.uint8))
+    bad = SimpleNamespace(index=1, routed_experts=np.full((3, 2, 2), 7, np.uint8), finish_reason="stop")
     fields = api._encode_request_output(SimpleNamespace(finished=True, prompt_token_ids=[1, 2], outputs=[bad]),
                                         None, cfg)
     assert fields[1]["routed_experts_error"].startswith("encode_failed: cannot encode the routing record: expert id")
