@@ -47,7 +47,8 @@ def cmd_check_parity(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from rl_loop.tiny_models import make_tiny_checkpoint
 
-    print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed))
+    print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed,
+                               max_position_embeddings=args.max_position_embeddings))
     return 0
 
 
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--init-scale", type=float, default=0.02,
                       help="weight std; 0.1-0.3 makes routing matter (default %(default)s)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the weights (default %(default)s)")
+    tiny.add_argument("--max-position-embeddings", type=positive_int, metavar="N",
+                      help="context the config declares (default: the architecture's)")
     tiny.set_defaults(fn=cmd_make_tiny)
 
     from rl_loop.config import describe

@@ -162,7 +162,8 @@ def _fields(cls) -> dict:
     return cls.__pydantic_fields__
 
 
-SECTIONS = {name: info.annotation for name, info in _fields(RLConfig).items() if dataclasses.is_dataclass(info.annotation)}
+SECTIONS = {name: info.annotation for name, info in _fields(RLConfig).items()
+            if dataclasses.is_dataclass(info.annotation)}
 
 
 def _section_of(path: tuple[str, ...]):

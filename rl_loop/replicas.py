@@ -64,8 +64,8 @@ def fit_context(model: Path | str, prompt_tokens: int, max_tokens: int, flag: st
     context, need = checkpoint_context(model), prompt_tokens + max_tokens
     if need > context:
         fix = f"lower {flag} to at most {context - prompt_tokens}" if prompt_tokens < context else "use shorter prompts"
-        raise ValueError(f"the longest prompt ({prompt_tokens} tokens) + {flag} {max_tokens} = {need} tokens exceed the "
-                         f"checkpoint's context of {context} tokens (max_position_embeddings in "
+        raise ValueError(f"the longest prompt ({prompt_tokens} tokens) + {flag} {max_tokens} = {need} tokens exceed "
+                         f"the checkpoint's context of {context} tokens (max_position_embeddings in "
                          f"{Path(model) / 'config.json'}); {fix}")
     return need
 
@@ -131,22 +131,24 @@ def wait_healthy(replicas: list[Replica], timeout_s: float = 600.0) -> None:
             time.sleep(1.0)
 
 
-# An exception line of a Python traceback, after vLLM's "(EngineCore pid=N) " process prefix,
-# or an argparse error ("api_server.py: error: unrecognized arguments: ...").
-_ERROR_LINE = re.compile(r"^(?:\([^)]*\) )?((?:[\w.]*(?:Error|Exception)\b:|[\w.-]+: error:) .*)$")
+# An exception line of a Python traceback, after vLLM's "(EngineCore pid=N) " process prefix and
+# "ERROR 12-01 04:54:16 [core.py:1510] " logging header, or an argparse error ("api_server.py: error: ...").
+_ERROR_LINE = re.compile(r"^(?:\([^)]*\) )?(?:ERROR \S+ \S+ \[[^\]]*\] )?"
+                         r"((?:[\w.]*(?:Error|Exception)\b:|[\w.-]+: error:) .*)$")
 
 
 def last_error_line(log: str) -> str:
     """The line of a server log that says why it stopped: the last exception or argparse error.
 
-    vLLM's wrappers that only point elsewhere ("See root cause above") are passed over; a pydantic
+    vLLM's wrappers that only point elsewhere ("See root cause above", "See stack trace for root
+    cause") are passed over; a pydantic
     validation error is given by its first message line, without pydantic's `[type=...]` suffix.
     With no such line, the log's last non-empty line.
     """
     lines = log.splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _ERROR_LINE.match(lines[i])
-        if not m or "See root cause above" in lines[i]:
+        if not m or "root cause" in lines[i]:
             continue
         if re.search(r"\d+ validation errors? for ", lines[i]) and i + 1 < len(lines):
             return f"{m.group(1)}: {lines[i + 1].strip().split(' [type=')[0]}"

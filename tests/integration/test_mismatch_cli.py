@@ -91,3 +91,4 @@ def test_a_server_that_fails_to_start_is_one_line_with_its_log(ctx256_checkpoint
     assert "Traceback" not in proc.stderr
     cause = line.split("before it was healthy: ", 1)[1].removesuffix(f" (log: {log})")
     assert cause in log.read_text()
+    assert "SafetensorError" in cause  # the worker's error, not the wrappers that point to it

@@ -48,10 +48,16 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
     For further information visit https://errors.pydantic.dev/2.14/v/value_error
 """
 
+# the shape of a vLLM log whose weights file is truncated: the cause is logged by the worker,
+# then wrapped twice
 ENGINE_LOG = """\
-(EngineCore pid=7) Traceback (most recent call last):
-(EngineCore pid=7)   File "core.py", line 9, in run
-(EngineCore pid=7) safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata
+(Worker pid=9) ERROR 12-01 04:54:16 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker pid=9) ERROR 12-01 04:54:16 [multiproc_executor.py:953] safetensors._safetensors_rust.SafetensorError: \
+Error while deserializing header: incomplete metadata
+(EngineCore pid=7) ERROR 12-01 04:54:18 [core.py:1510] Exception: WorkerProc initialization failed due to an \
+exception in a background process. See stack trace for root cause.
+Exception: WorkerProc initialization failed due to an exception in a background process. \
+See stack trace for root cause.
 (APIServer pid=1) Traceback (most recent call last):
 (APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
 """
@@ -60,7 +66,7 @@ ENGINE_LOG = """\
 @pytest.mark.parametrize("log, line", [
     (VALIDATION_LOG, "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: "
                      "Value error, User-specified max_model_len (9000) is greater than 8192."),
-    (ENGINE_LOG, "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata"),
+    (ENGINE_LOG, "safetensors._safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata"),
     ("usage: api_server.py [-h]\napi_server.py: error: unrecognized arguments: --bogus\n",
      "api_server.py: error: unrecognized arguments: --bogus"),
     ("INFO starting\nKilled\n\n", "Killed"),
