@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,10 +52,11 @@ def main() -> None:
     ckpt = make_tiny_checkpoint("kimi_k2", cache / "kimi_k2-bf16-0.1", dtype="bfloat16", init_scale=0.1)
     fp8 = cache / "kimi_k2-block-fp8"
     served_fp8 = cache / "kimi_k2-block-fp8-dequantized-bf16"
-    if not (served_fp8 / "config.json").exists():
-        model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
-        export_hf_checkpoint(model, arch, fp8, quant=BlockFp8Config(), dtype=torch.bfloat16)
-        dequantized_copy(fp8, served_fp8, torch.bfloat16)
+    model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
+    export_hf_checkpoint(model, arch, fp8, quant=BlockFp8Config(), dtype=torch.bfloat16)
+    for f in ckpt.glob("tokenizer*"):  # the export holds weights and config only
+        shutil.copy(f, fp8 / f.name)
+    dequantized_copy(fp8, served_fp8, torch.bfloat16)
     rows = {}
     for name, served in (("bf16", None), ("fp8_dequantized_on_load", served_fp8)):
         t0 = time.perf_counter()
