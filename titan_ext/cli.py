@@ -115,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ExtensionError("--flavor needs --model")
         return _run_torchtitan(args, config=None)
     config = build_config(pm, model, flavor or "full")
+    from .options import apply_options, take_options
+
+    try:
+        apply_options(config, take_options(args))
+    except ValueError as e:
+        raise ExtensionError(str(e)) from None
     _run_torchtitan(args, config=config)
 
 

@@ -1,17 +1,23 @@
 """Run under torchrun: load an HF checkpoint through TorchTitan's own checkpointer
 (our adapter, HF storage reader) into a Trainer with the requested expert-parallel
-degree, run fixed tokens forward (optionally replaying fixed expert ids), and save
-rank 0's logits.
+degree, run fixed tokens forward (optionally replaying fixed expert ids; each rank
+takes its share of the batch rows), and save the whole batch's logits from rank 0. With
+--grads also run the backward of the batch's mean token cross-entropy and save
+{"logits", "grads"} (full parameter gradients by name). `--titan_ext.*` flags pick the
+dispatcher / fp8 as on the command line.
 
-usage: torchrun --nproc_per_node N ep_logits_worker.py CKPT_DIR MODEL EP OUT_FILE [--replay]
+usage: torchrun --nproc_per_node N ep_logits_worker.py CKPT_DIR MODEL EP OUT_FILE [--replay] [--grads]
+       [--titan_ext.dispatcher NAME] [--titan_ext.fp8]
 """
 
 import sys
 import tempfile
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import titan_ext  # noqa: F401  (applies patches)
+from titan_ext.options import apply_options, take_options
 from titan_ext.replay import replay_routing
 from titan_ext.train_config import trainer_config
 
@@ -26,8 +32,10 @@ def fixed_batch(arch_vocab: int, num_moe_layers: int, top_k: int, num_experts: i
 
 def main() -> None:
     ckpt, model, ep, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    replay = "--replay" in sys.argv[5:]
+    flags = sys.argv[5:]
+    replay, grads = "--replay" in flags, "--grads" in flags
     cfg = trainer_config(model, "tiny")
+    apply_options(cfg, take_options(flags))
     cfg.hf_assets_path = ckpt
     cfg.dump_folder = tempfile.mkdtemp(prefix="moerl_ep_")
     cfg.checkpoint.enable = True
@@ -41,10 +49,23 @@ def main() -> None:
     model_part = trainer.model_parts[0].eval()
     moe = [layer.moe for layer in model_part.layers.values() if layer.moe_enabled]
     tokens, ids = fixed_batch(cfg.model_spec.model.vocab_size, len(moe), moe[0].router.top_k, moe[0].router.num_experts)
-    with torch.no_grad(), replay_routing(model_part, ids if replay else None):
-        logits = model_part(tokens)
-    if torch.distributed.get_rank() == 0:
-        torch.save(logits.detach().float(), out)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = slice(rank * len(tokens) // world, (rank + 1) * len(tokens) // world)
+    # the backward inside the replay block too: activation checkpointing recomputes the routing
+    with torch.set_grad_enabled(grads), replay_routing(model_part, ids[mine] if replay else None):
+        logits = model_part(tokens[mine])
+        if grads:  # sum over this rank's tokens / all tokens: FSDP's sum over ranks makes it the batch mean
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[mine, 1:].flatten(),
+                                                     reduction="sum") / tokens[:, 1:].numel()
+            loss.backward()
+    if grads:
+        named = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in model_part.named_parameters()}
+    parts = [torch.empty_like(logits) for _ in range(world)]
+    torch.distributed.all_gather(parts, logits.detach().contiguous())
+    if rank == 0:
+        full = torch.cat(parts).float()
+        torch.save({"logits": full, "grads": {n: g.float() for n, g in named.items()}} if grads else full, out)
     trainer.close()
     torch.distributed.destroy_process_group()
 

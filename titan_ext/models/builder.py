@@ -5,8 +5,9 @@ aux-loss-free bias, token dispatchers, parallelize function) and change only wha
 differs:
 - experts that compute in their input dtype (`experts.NativeDtypeGroupedExperts`),
   so an fp32 model matches transformers to rounding;
-- the lean local token permutation (`experts.LeanTokenDispatcher`: gathers with
-  gather duals instead of sorting scatters; TorchTitan's all-to-all under EP);
+- the lean token dispatcher (`experts.LeanTokenDispatcher`: gathers with gather duals
+  instead of sorting scatters, one all-to-all each way under EP); `configure_moe`
+  switches a built config to another dispatcher or to fp8 experts (`titan_ext.options`);
 - maskless causal SDPA as the default inner attention, because FlexAttention has no
   CPU backward;
 - the DSA attention for models with a lightning indexer (`dsa.DSAAttention`);
@@ -30,9 +31,20 @@ from torchtitan.models.common.param_init import depth_scaled_std
 from .arch import MLAMoEArch
 from .glm5.dsa import DSAAttention, LightningIndexer
 from ..replay import replay_router
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+from .deepep import DeepEPV1TokenDispatcher
 from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts
+from .fp8_experts import Fp8FeedForward, Fp8RoutedExperts
 
 AttnBackend = Literal["sdpa", "flex"]
+Dispatcher = Literal["lean", "torchtitan", "deepep"]
+
+DISPATCHERS: dict[str, type] = {
+    "lean": LeanTokenDispatcher.Config,
+    "torchtitan": AllToAllTokenDispatcher.Config,  # TorchTitan's own, as stock
+    "deepep": DeepEPV1TokenDispatcher.Config,
+}
 
 # HF's MLA builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps,
 # not config.rms_norm_eps.
@@ -125,6 +137,28 @@ def build_model_config(
         layers=layers,
         mtp_layers=[],
     )
+
+
+def configure_moe(model_cfg, *, dispatcher: Dispatcher = "lean", fp8: bool = False) -> None:
+    """Switch every MoE layer of a built model config to `dispatcher`, and to fp8 experts when `fp8`.
+
+    fp8 experts lay out their own expert rows from the lean route (`fp8_experts`), so they
+    need a lean-family dispatcher (lean or deepep), not TorchTitan's.
+    """
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {dispatcher!r}; choose one of {', '.join(DISPATCHERS)}")
+    if fp8 and dispatcher == "torchtitan":
+        raise ValueError("fp8 experts need the lean or deepep dispatcher, not torchtitan's")
+    for layer in model_cfg.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        routed = moe.routed_experts
+        routed.token_dispatcher = derive(routed.token_dispatcher, DISPATCHERS[dispatcher])
+        if fp8:
+            moe.routed_experts = derive(routed, Fp8RoutedExperts.Config)
+            if moe.shared_experts is not None:
+                moe.shared_experts = derive(moe.shared_experts, Fp8FeedForward.Config)
 
 
 def _with_indexer(attn, arch: MLAMoEArch, init_std: float) -> DSAAttention.Config:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -43,7 +44,7 @@ class NativeDtypeGroupedExperts(GroupedExperts):
 
 
 # ---------------------------------------------------------------------------
-# Lean local token permutation (EP=1 path of the dispatcher).
+# Lean token permutation (the lean dispatcher's layouts, at every EP degree).
 #
 # TorchTitan 0.3.0's local dispatch gathers the routed rows with autograd's
 # generic indexing (backward: a sorting index_put with accumulate), and its
@@ -157,40 +158,6 @@ if triton is not None:
         tl.store(gw_ptr + t * K + ks, tl.sum(acc, axis=1), mask=kmask)
 
 
-class _DispatchRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, src_R: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(slot_TK)
-        return x_TD.index_select(0, src_R)
-
-    @staticmethod
-    def backward(ctx, grad_RD: torch.Tensor):
-        (slot_TK,) = ctx.saved_tensors
-        return gather_sum(grad_RD, slot_TK), None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_RD: torch.Tensor, scores_TK: torch.Tensor, src_R: torch.Tensor,
-                slot_TK: torch.Tensor, score_R: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y_RD, src_R, slot_TK, score_R, scores_TK)
-        return gather_sum(y_RD, slot_TK, scores_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD: torch.Tensor):
-        y_RD, src_R, slot_TK, score_R, scores_TK = ctx.saved_tensors
-        grad_y_RD, grad_s_TK = combine_grads(grad_TD, y_RD, src_R, score_R, slot_TK, scores_TK)
-        return grad_y_RD, grad_s_TK.to(scores_TK.dtype), None, None, None
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeanDispatchMetadata:
-    src_R: torch.Tensor  # token of each routed row (pad rows: any real token)
-    slot_TK: torch.Tensor  # routed row of each (token, k) choice
-    score_R: torch.Tensor  # routing score of each routed row (pad rows: 0)
-    scores_TK: torch.Tensor
-
-
 def lean_permutation(topk_expert_ids_TK: torch.Tensor, topk_scores_TK: torch.Tensor,
                      num_tokens_per_expert_E: torch.Tensor, pad_multiple: int = 1):
     """Routing tensors of the lean dispatch: (src_R, slot_TK, score_R, tokens per expert as laid out)."""
@@ -216,10 +183,118 @@ def lean_permutation(topk_expert_ids_TK: torch.Tensor, topk_scores_TK: torch.Ten
     return src_R, slot_N.view(t, k), score_R, counts_E
 
 
-class LeanTokenDispatcher(AllToAllTokenDispatcher):
-    """TorchTitan's standard dispatcher with a lean permutation when expert parallel is off.
+class _GatherRows(torch.autograd.Function):
+    """out[r] = rows[idx[r]]; backward grad_rows[n] = sum_k w[n, k] grad_out[dual[n, k]] (w = 1 when None).
 
-    With an EP mesh it is exactly `AllToAllTokenDispatcher`.
+    `dual` lists, for every input row, the output rows that copied it; with `w` 0 on pad
+    rows that copied nothing real. The backward is a gather, not a sorting scatter.
+    """
+
+    @staticmethod
+    def forward(ctx, rows_ND: torch.Tensor, idx_R: torch.Tensor, dual_NK: torch.Tensor,
+                dual_w_NK: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(dual_NK, dual_w_NK)
+        return rows_ND.index_select(0, idx_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        dual_NK, dual_w_NK = ctx.saved_tensors
+        return gather_sum(grad_RD, dual_NK, dual_w_NK), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[n] = sum_k weights[n, k] y[slot[n, k]]; weights None: a plain sum (the scores were applied
+    where the rows were computed; score_R then only masks pad rows, None when there are none)."""
+
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, weights_NK: torch.Tensor | None, src_R: torch.Tensor,
+                slot_NK: torch.Tensor, score_R: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(y_RD, src_R, slot_NK, score_R, weights_NK)
+        return gather_sum(y_RD, slot_NK, weights_NK)
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        y_RD, src_R, slot_NK, score_R, weights_NK = ctx.saved_tensors
+        if weights_NK is None:  # grad_y[r] = grad[src[r]] (0 on pad rows, whose score_R is 0)
+            mask_R1 = None if score_R is None else score_R[:, None]
+            return gather_sum(grad_ND, src_R[:, None], mask_R1), None, None, None, None
+        grad_y_RD, grad_s_NK = combine_grads(grad_ND, y_RD, src_R, score_R, slot_NK, weights_NK)
+        return grad_y_RD, grad_s_NK.to(weights_NK.dtype), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows with known split sizes; the backward sends the gradient back the same way.
+
+    A plain c10d collective (works on gloo and NCCL, torch 2.11 and 2.13); the output is
+    ready for Triton kernels, unlike a functional collective's lazy AsyncCollectiveTensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x_ND.new_empty(sum(out_splits), x_ND.size(1))
+        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty(sum(in_splits), grad_out.size(1))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertRoute:
+    """How this rank's expert rows are laid out over the rows it holds after the exchange.
+
+    Expert row r (expert-major, each expert's group padded to the dispatcher's multiple) is
+    held row src[r]; held row n's expert rows are slot[n, :]. The output of held row n is
+    sum_k weights[n, k] y[slot[n, k]].
+    """
+
+    src_R: torch.Tensor  # held row of each expert row (pad rows: any real row)
+    slot_NK: torch.Tensor  # expert rows of each held row
+    score_R: torch.Tensor  # weight of each expert row (pad rows: 0)
+    weights_NK: torch.Tensor  # routing scores of the held rows' expert rows (0 where masked)
+    counts_E: torch.Tensor  # rows per local expert as laid out (device)
+    counts: list[int] | None = None  # the same on the host, where the exchange already read it there
+    mask_NK: torch.Tensor | None = None  # 0 where a held row's choice has no expert row here (None: all 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeanDispatchMetadata:
+    route: ExpertRoute
+    state: object  # the dispatcher's own record of the exchange, for the return trip (None at EP=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SentRows:
+    """What the sender of an all-to-all exchange keeps for the return trip and its per-token sum."""
+
+    src_N: torch.Tensor
+    slot_TK: torch.Tensor
+    out_splits: list[int]
+    in_splits: list[int]
+
+
+def _padded(counts: list[int], multiple: int) -> list[int]:
+    return [-(-c // multiple) * multiple for c in counts]
+
+
+class LeanTokenDispatcher(AllToAllTokenDispatcher):
+    """TorchTitan's dispatcher interface, with gathers (and their dual gathers) instead of sorting scatters.
+
+    EP=1: the tokens are the held rows and the lean permutation lays out the expert rows.
+    EP>1: one count exchange (one host read of the split sizes), one all-to-all of the
+    routed rows (and their scores) each way; the rows arrive rank-major and the same lean
+    permutation, over their local expert ids, lays them out expert-major; the scores are
+    applied there, as at EP=1 (so fp8's score gradient is the EP=1 one); the return trip is
+    the weighted inverse gather, the all-to-all back, and the sender's per-token sum.
+
+    `exchange` / `give_back` are the two ends; `dispatch` / `combine` (what TorchTitan's
+    RoutedExperts calls) put the gather into expert-major rows and its dual between them,
+    and the fp8 experts fold that gather into their own quantisation pass instead.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -230,18 +305,62 @@ class LeanTokenDispatcher(AllToAllTokenDispatcher):
         super().__init__(config)
         self.pad_multiple = config.pad_multiple
 
+    def exchange(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
+                 num_local_tokens_per_expert_E: torch.Tensor,
+                 pad_multiple: int) -> tuple[torch.Tensor, ExpertRoute, object]:
+        """(held rows, their expert route, state for `give_back`)."""
+        if self.ep_mesh is None:
+            src_R, slot_TK, score_R, counts_E = lean_permutation(
+                topk_expert_ids_TK, topk_scores_TK, num_local_tokens_per_expert_E, pad_multiple)
+            route = ExpertRoute(src_R=src_R, slot_NK=slot_TK, score_R=score_R, weights_NK=topk_scores_TK,
+                                counts_E=counts_E)
+            return x_TD, route, None
+        return self._exchange_ep(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E, pad_multiple)
+
+    def _exchange_ep(self, x_TD, topk_scores_TK, topk_expert_ids_TK, counts_E, pad_multiple):
+        group = self.ep_mesh.get_group()
+        ep = self.ep_mesh.size()
+        e = counts_E.numel() // ep
+        # global expert order is rank-major: the rows for rank j are one contiguous block
+        src_N, slot_TK, _, _ = lean_permutation(topk_expert_ids_TK, topk_scores_TK, counts_E)
+        send_ND = _GatherRows.apply(x_TD, src_N, slot_TK, None)
+        # the scores travel with their rows and are applied where the experts run, as at EP=1
+        choice_N = torch.empty_like(src_N).index_copy_(  # the (token, k) choice of each sent row
+            0, slot_TK.reshape(-1), torch.arange(src_N.numel(), device=src_N.device))
+        send_N1 = _GatherRows.apply(topk_scores_TK.reshape(-1, 1), choice_N, slot_TK.reshape(-1, 1), None)
+        with torch.no_grad():
+            recv_SE = torch.empty_like(counts_E).view(ep, e)
+            dist.all_to_all_single(recv_SE, counts_E.view(ep, e).contiguous(), group=group)
+            host = torch.cat([counts_E, recv_SE.reshape(-1)]).tolist()  # the one host sync
+        sent, held = host[:ep * e], host[ep * e:]
+        in_splits = [sum(sent[j * e:(j + 1) * e]) for j in range(ep)]
+        out_splits = [sum(held[s * e:(s + 1) * e]) for s in range(ep)]
+        recv_ND = _AllToAll.apply(send_ND, out_splits, in_splits, group)
+        recv_N1 = _AllToAll.apply(send_N1, out_splits, in_splits, group)
+        n = recv_ND.size(0)
+        with torch.no_grad():
+            local_S = torch.arange(ep * e, device=x_TD.device) % e  # local expert of each (source, expert) block
+            ids_N1 = local_S.repeat_interleave(recv_SE.reshape(-1), output_size=n)[:, None]
+            src_R, slot_N1, score_R, counts_e = lean_permutation(ids_N1, recv_N1, recv_SE.sum(0), pad_multiple)
+        per_expert = [sum(held[s * e + l] for s in range(ep)) for l in range(e)]
+        route = ExpertRoute(src_R=src_R, slot_NK=slot_N1, score_R=score_R, weights_NK=recv_N1, counts_E=counts_e,
+                            counts=_padded(per_expert, pad_multiple))
+        return recv_ND, route, _SentRows(src_N=src_N, slot_TK=slot_TK, out_splits=out_splits, in_splits=in_splits)
+
+    def give_back(self, out_ND: torch.Tensor, state) -> torch.Tensor:
+        """The held rows' (already weighted) outputs back to their tokens, summed per token: [tokens, dim]."""
+        if state is None:
+            return out_ND
+        back_ND = _AllToAll.apply(out_ND, state.in_splits, state.out_splits, self.ep_mesh.get_group())
+        return _CombineRows.apply(back_ND, None, state.src_N, state.slot_TK, None)
+
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
-        if self.ep_mesh is not None:
-            return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
-        src_R, slot_TK, score_R, counts_E = lean_permutation(
-            topk_expert_ids_TK, topk_scores_TK, num_local_tokens_per_expert_E, self.pad_multiple)
-        routed_RD = _DispatchRows.apply(x_TD, src_R, slot_TK)
-        meta = LeanDispatchMetadata(src_R=src_R, slot_TK=slot_TK, score_R=score_R, scores_TK=topk_scores_TK)
-        return routed_RD, counts_E, meta
+        rows_ND, route, state = self.exchange(x_TD, topk_scores_TK, topk_expert_ids_TK,
+                                              num_local_tokens_per_expert_E, self.pad_multiple)
+        routed_RD = _GatherRows.apply(rows_ND, route.src_R, route.slot_NK, route.mask_NK)
+        return routed_RD, route.counts_E, LeanDispatchMetadata(route=route, state=state)
 
     def combine(self, routed_output_RD, metadata, x_TD):
-        if not isinstance(metadata, LeanDispatchMetadata):
-            return super().combine(routed_output_RD, metadata, x_TD)
-        out_TD = _CombineRows.apply(routed_output_RD, metadata.scores_TK, metadata.src_R,
-                                    metadata.slot_TK, metadata.score_R)
-        return out_TD.to(x_TD.dtype)
+        route = metadata.route
+        out_ND = _CombineRows.apply(routed_output_RD, route.weights_NK, route.src_R, route.slot_NK, route.score_R)
+        return self.give_back(out_ND, metadata.state).to(x_TD.dtype)

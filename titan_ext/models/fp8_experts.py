@@ -33,7 +33,14 @@ score and takes the dot. y is not saved for the backward (7.5 GB at that size) n
 Weights are quantised once per weight version (four layouts: W1|W3 and W2, each as stored
 and transposed) and reused until a parameter changes. Quantisation kernels: `fp8_quant.py`.
 
-`to_fp8(model)` switches every MoE layer of a titan_ext model to this path in place.
+Under expert parallel the dispatcher's exchange (`experts.LeanTokenDispatcher.exchange`)
+brings the routed rows to the experts' rank, and its expert-major layout is this function's
+route: the gather that lays the received rows out by expert is the quantisation's own gather,
+and the per-expert row counts ride on the exchange's one host read of the split sizes (no
+further host sync). The scores travel with the rows and are applied here, as at EP=1.
+
+`to_fp8(model)` switches every MoE layer of a titan_ext model to this path in place;
+`builder.configure_moe(..., fp8=True)` builds it so (`--titan_ext.fp8`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import torch.nn.functional as F
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE, RoutedExperts
 
-from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts, _local, gather_sum, lean_permutation
+from .experts import LeanTokenDispatcher, NativeDtypeGroupedExperts, _local, gather_sum
 from .fp8_quant import (
     ROW_BLOCK, padded_starts, quant_cols_t, quant_rows, swiglu_bwd_quant_rows, swiglu_quant_rows, transpose_groups)
 
@@ -131,9 +138,10 @@ def _wgrad_mm(a_t, b_t, counts: list[int], out: torch.Tensor, rows: slice = slic
 class Route:
     """The routed experts' lean dispatch (`experts.lean_permutation`, groups padded to ROW_MULTIPLE)."""
 
-    src_R: torch.Tensor  # token of each routed row
-    slot_TK: torch.Tensor  # routed row of each (token, k) choice
+    src_R: torch.Tensor  # token (held row) of each routed row
+    slot_TK: torch.Tensor  # routed rows of each token
     score_R: torch.Tensor  # routing score of each routed row (pad rows: 0)
+    mask_TK: torch.Tensor | None = None  # 0 where a token's choice has no routed row here (None: all 1)
 
 
 class _Fp8SwiGLU(torch.autograd.Function):
@@ -195,7 +203,7 @@ class _Fp8SwiGLU(torch.autograd.Function):
         grads = (g.to(dt) for g, dt in zip((dw1, dw3, dw2), ctx.w_dtypes))
         grad_scores = None
         if route is not None:  # the dispatch's backward, and the combine's score gradient
-            dx = gather_sum(dx, route.slot_TK)
+            dx = gather_sum(dx, route.slot_TK, route.mask_TK)
             shape, sdtype = ctx.scores_meta
             grad_scores = dg8.dot.index_select(0, route.slot_TK.reshape(-1)).view(shape).to(sdtype)
         return dx, grad_scores, *grads, None, None, None
@@ -211,28 +219,51 @@ def fp8_swiglu(x_RD, w1_EFD, w3_EFD, w2_EDF, counts: list[int], wq: Fp8Weights, 
 
 
 class Fp8RoutedExperts(RoutedExperts):
-    """Dispatch, routed experts and combine in one fp8 function (see `_Fp8SwiGLU`); the lean
-    permutation of `experts.LeanTokenDispatcher` with groups padded to ROW_MULTIPLE."""
+    """Exchange, routed experts and return in one fp8 function (see `_Fp8SwiGLU`) over the route
+    of a lean-family dispatcher (`experts.LeanTokenDispatcher`), groups padded to ROW_MULTIPLE."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        _check_fp8_parts(self)
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
-        if self.token_dispatcher.ep_mesh is not None:
-            raise NotImplementedError("fp8 routed experts run without expert parallel (no all-to-all dispatch)")
         b, l, d = x_BLD.shape
         k = topk_scores_BLK.size(-1)
-        scores_TK = topk_scores_BLK.reshape(b * l, k)
-        src_R, slot_TK, score_R, counts_E = lean_permutation(
-            topk_expert_ids_BLK.reshape(b * l, k), scores_TK, num_local_tokens_per_expert_E, ROW_MULTIPLE)
-        counts = counts_E.tolist()  # the one host sync
+        rows_ND, route, state = self.token_dispatcher.exchange(
+            x_BLD.reshape(b * l, d), topk_scores_BLK.reshape(b * l, k), topk_expert_ids_BLK.reshape(b * l, k),
+            num_local_tokens_per_expert_E, ROW_MULTIPLE)
+        counts = route.counts if route.counts is not None else route.counts_E.tolist()  # EP=1: the one host sync
         r = sum(counts)  # the permutation's static row count leaves slack rows after the last group
         experts = self.inner_experts
         w1, w2, w3 = (_local(w) for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
-        out_TD = fp8_swiglu(x_BLD.reshape(b * l, d), w1, w3, w2, counts, cached_weights(experts, w1, w3, w2),
-                            Route(src_R[:r], slot_TK, score_R[:r]), scores_TK)
-        return out_TD.view(b, l, d)
+        out_ND = fp8_swiglu(rows_ND, w1, w3, w2, counts, cached_weights(experts, w1, w3, w2),
+                            Route(route.src_R[:r], route.slot_NK, route.score_R[:r], route.mask_NK), route.weights_NK)
+        return self.token_dispatcher.give_back(out_ND, state).to(x_BLD.dtype).view(b, l, d)
+
+
+def _check_fp8_parts(routed: RoutedExperts) -> None:
+    if type(routed.inner_experts) is not NativeDtypeGroupedExperts:
+        raise TypeError(f"fp8 experts replace titan_ext's NativeDtypeGroupedExperts, not {type(routed.inner_experts)}")
+    if not isinstance(routed.token_dispatcher, LeanTokenDispatcher):
+        raise TypeError("fp8 experts need a lean-family dispatcher (lean or deepep), "
+                        f"not {type(routed.token_dispatcher).__name__}")
 
 
 class Fp8FeedForward(FeedForward):
     """The shared expert in fp8: one group of all tokens through the same function."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FeedForward.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if self.w1.bias is not None:
+            raise TypeError("fp8 shared expert needs a bias-free FeedForward")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = (_local(lin.weight).unsqueeze(0) for lin in (self.w1, self.w3, self.w2))
@@ -252,11 +283,7 @@ def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
     """
     for m in model.modules():
         if isinstance(m, MoE):
-            experts = m.routed_experts.inner_experts
-            if type(experts) is not NativeDtypeGroupedExperts:
-                raise TypeError(f"fp8 experts replace titan_ext's NativeDtypeGroupedExperts, not {type(experts)}")
-            if not isinstance(m.routed_experts.token_dispatcher, LeanTokenDispatcher):
-                raise TypeError("fp8 experts need titan_ext's LeanTokenDispatcher (its lean permutation)")
+            _check_fp8_parts(m.routed_experts)
             m.routed_experts.__class__ = Fp8RoutedExperts
             if m.shared_experts is not None:
                 if type(m.shared_experts) is not FeedForward or m.shared_experts.w1.bias is not None:

@@ -1,0 +1,57 @@
+"""`--titan_ext.*` flags: parsed off the command line, listed by the help, applied to the model config."""
+
+import pytest
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+import titan_ext  # noqa: F401  (patches)
+from titan_ext.models import get_arch
+from titan_ext.models.builder import build_model_config, configure_moe
+from titan_ext.models.deepep import DeepEPV1TokenDispatcher
+from titan_ext.models.experts import LeanTokenDispatcher
+from titan_ext.models.fp8_experts import Fp8FeedForward, Fp8RoutedExperts
+from titan_ext.options import TitanExtOptions, options_help, take_options
+
+
+def test_flags_are_taken_out_and_the_rest_is_left_in_order():
+    args = ["--training.steps", "3", "--titan_ext.dispatcher", "torchtitan", "--titan_ext.fp8",
+            "--parallelism.expert_parallel_degree=2"]
+    assert take_options(args) == TitanExtOptions(dispatcher="torchtitan", fp8=True)
+    assert args == ["--training.steps", "3", "--parallelism.expert_parallel_degree=2"]
+    args = ["--titan_ext.dispatcher=deepep"]
+    assert take_options(args) == TitanExtOptions(dispatcher="deepep") and args == []
+    assert take_options([]) == TitanExtOptions(dispatcher="lean", fp8=False)
+
+
+def test_an_unknown_dispatcher_is_a_usage_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        take_options(["--titan_ext.dispatcher", "nccl"])
+    assert e.value.code == 2
+    assert "invalid choice: 'nccl' (choose from 'lean', 'torchtitan', 'deepep')" in capsys.readouterr().err
+
+
+def test_help_lists_every_option():
+    text = options_help()
+    assert "--titan_ext.dispatcher {lean,torchtitan,deepep}" in text and "--titan_ext.fp8" in text
+
+
+def _moe_layers(dispatcher, fp8):
+    cfg = build_model_config(get_arch("kimi_k2", "tiny"))
+    configure_moe(cfg, dispatcher=dispatcher, fp8=fp8)
+    return [layer.moe for layer in cfg.layers if layer.moe is not None]
+
+
+@pytest.mark.parametrize("name,cls", [("lean", LeanTokenDispatcher), ("torchtitan", AllToAllTokenDispatcher),
+                                      ("deepep", DeepEPV1TokenDispatcher)])
+def test_each_dispatcher_is_built_into_every_moe_layer(name, cls):
+    layers = _moe_layers(name, False)
+    assert layers and all(type(m.routed_experts.token_dispatcher) is cls.Config for m in layers)
+
+
+def test_fp8_builds_fp8_routed_and_shared_experts():
+    for m in _moe_layers("lean", True):
+        assert type(m.routed_experts) is Fp8RoutedExperts.Config and type(m.shared_experts) is Fp8FeedForward.Config
+
+
+def test_fp8_with_the_torchtitan_dispatcher_is_refused():
+    with pytest.raises(ValueError, match="fp8 experts need the lean or deepep dispatcher, not torchtitan's"):
+        _moe_layers("torchtitan", True)

@@ -1,0 +1,60 @@
+"""titan_ext's own training flags on `torchtitan train --extension titan_ext`: `--titan_ext.FIELD`.
+
+TorchTitan names its flags `--section.field` after its config dataclasses; titan_ext's
+live in the section `titan_ext`, one field of `TitanExtOptions` each. They change how the
+model is built (which token dispatcher, fp8 experts), so they are taken off the command
+line before TorchTitan parses the rest and applied to the prebuilt Trainer.Config. The
+dataclass is the one registry: parsing and `options_help()` both read its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import dataclass, field, fields
+
+from .models.builder import Dispatcher, configure_moe
+
+SECTION = "titan_ext"
+
+
+@dataclass(frozen=True)
+class TitanExtOptions:
+    dispatcher: Dispatcher = field(default="lean", metadata={"help": (
+        "MoE token dispatcher: lean (gathers with gather duals; under expert parallel one count "
+        "exchange and one all-to-all each way), torchtitan (TorchTitan's AllToAllTokenDispatcher), "
+        "deepep (DeepEP v1 intranode; needs the deep_ep wheel and bf16)")})
+    fp8: bool = field(default=False, metadata={"help": (
+        "routed and shared expert GEMMs in fp8 e4m3 with row-wise scales (titan_ext.models.fp8_experts); "
+        "needs the lean or deepep dispatcher")})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchtitan train", add_help=False, allow_abbrev=False)
+    group = parser.add_argument_group(f"{SECTION} options (--extension titan_ext)")
+    hints = typing.get_type_hints(TitanExtOptions)
+    for f in fields(TitanExtOptions):
+        flag = f"--{SECTION}.{f.name}"
+        if hints[f.name] is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+        else:
+            group.add_argument(flag, dest=f.name, default=f.default, choices=typing.get_args(hints[f.name]) or None,
+                               help=f"{f.metadata['help']} (default: {f.default})")
+    return parser
+
+
+def take_options(args: list[str]) -> TitanExtOptions:
+    """Remove the `--titan_ext.*` flags from `args` (in place) and return them parsed."""
+    parsed, rest = _parser().parse_known_args(args)
+    args[:] = rest
+    return TitanExtOptions(**vars(parsed))
+
+
+def options_help() -> str:
+    """The `--titan_ext.*` flags as `--help` lists them."""
+    return _parser().format_help().split("\n", 2)[-1].strip("\n") + "\n"
+
+
+def apply_options(config, options: TitanExtOptions) -> None:
+    """Build the Trainer.Config's model with `options` (a titan_ext model's config)."""
+    configure_moe(config.model_spec.model, dispatcher=options.dispatcher, fp8=options.fp8)
