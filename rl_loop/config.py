@@ -121,6 +121,9 @@ class TrainConfig:
     normalize_std: StrictBool = knob(False, "divide group advantages by the group's reward std")
     checkpoint_interval: StrictInt = knob(5, "TorchTitan checkpoint every K steps (for --resume)", ge=1)
     nproc: StrictInt = knob(1, "trainer processes (torchrun --nproc_per_node)", ge=1)
+    dispatcher: Literal["lean", "torchtitan", "deepep"] = knob(
+        "lean", "MoE token dispatcher of the trainer (as torchtitan train --titan_ext.dispatcher)")
+    fp8: StrictBool = knob(False, "expert GEMMs in fp8 (as torchtitan train --titan_ext.fp8; lean or deepep dispatcher)")
     cpus: CpuList = knob(
         "auto",
         "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "

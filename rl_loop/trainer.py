@@ -48,6 +48,8 @@ class TrainerSpec:
     max_ratio: float
     checkpoint_interval: int
     wire_dtype: str = "bfloat16"
+    dispatcher: str = "lean"
+    fp8: bool = False
     max_grad_norm: float = 1.0
     poll_s: float = 0.05
 
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     import titan_ext  # noqa: F401 - importing it applies the runtime patches
     from titan_ext.checkpoint import checkpoint_quantization, read_arch
+    from titan_ext.options import TitanExtOptions, apply_options
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
 
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_ext.models import spec_from_arch
 
     cfg.model_spec = spec_from_arch(spec.model, spec.flavor, arch)
+    apply_options(cfg, TitanExtOptions(dispatcher=spec.dispatcher, fp8=spec.fp8))
     cfg.hf_assets_path = spec.init_checkpoint
     cfg.dump_folder = str(run_dir / "trainer")
     cfg.training.steps = spec.steps

@@ -55,3 +55,15 @@ def test_fp8_builds_fp8_routed_and_shared_experts():
 def test_fp8_with_the_torchtitan_dispatcher_is_refused():
     with pytest.raises(ValueError, match="fp8 experts need the lean or deepep dispatcher, not torchtitan's"):
         _moe_layers("torchtitan", True)
+
+
+def test_moerl_rl_takes_the_same_choices_in_its_trainer_config():
+    from rl_loop.config import ConfigError, RLConfig
+    from tests.conftest import ROOT
+
+    toml = ROOT / "configs/tiny_kimi_k2.toml"
+    train = RLConfig.from_toml(toml, {"train.dispatcher": "torchtitan", "train.fp8": True}).train
+    assert (train.dispatcher, train.fp8) == ("torchtitan", True)
+    assert (RLConfig.from_toml(toml).train.dispatcher, RLConfig.from_toml(toml).train.fp8) == ("lean", False)
+    with pytest.raises(ConfigError, match="train.dispatcher"):
+        RLConfig.from_toml(toml, {"train.dispatcher": "nccl"})
