@@ -20,6 +20,7 @@ All no-ops for anything but routing:
 
 from __future__ import annotations
 
+import atexit
 import functools
 
 _installed = False
@@ -91,10 +92,11 @@ def _install_output_reader() -> None:
     from vllm.v1.engine.output_processor import RequestState
 
     from .api import mark_missing
-    from .routing.handoff import capture_off_reason, capture_on, read_rows, server_token
+    from .routing.handoff import capture_off_reason, capture_on, read_rows, remove_markers, server_token
     from .routing.missing import CAPTURE_OFF, RoutingMissing
 
     token = server_token()
+    atexit.register(remove_markers, token)
     orig = RequestState._new_completion_output
 
     @functools.wraps(orig)

@@ -15,6 +15,7 @@ gives, so everything after the reservation is the real failure path. Checked:
 
 from __future__ import annotations
 
+import glob
 import json
 import urllib.request
 
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 from tests.integration.test_rl_faults import _finish, _kill_tree, _moerl_rl, _records
 from tests.integration.test_vllm_routing import post
+from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.missing import REASONS, SHM_FULL
 from vllm_ext.routing.record import decode_record_b64
 
@@ -99,3 +101,5 @@ def test_lost_routing_is_in_the_response_on_metrics_and_in_the_rl_metrics(tmp_pa
         assert missing_counts(base)[SHM_FULL] == 3 + n
     finally:
         stop_replica(replica)
+    # the server's token starts with its API process id: nothing of it is left in /dev/shm
+    assert not glob.glob(f"{SHM_DIR}/moerl-r3-{replica.process.pid:x}*")

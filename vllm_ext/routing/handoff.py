@@ -59,7 +59,8 @@ import numpy as np
 from .missing import BAD_SEGMENT, NO_SEGMENT, ROWS_MISSING, SHM_FULL, RoutingMissing
 
 __all__ = ["RowsSegment", "SegmentReaper", "read_rows", "segment_name", "server_token", "capture_on",
-           "capture_failed", "capture_off_reason", "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV", "FAULT_ENV"]
+           "capture_failed", "capture_off_reason", "remove_markers", "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV",
+           "FAULT_ENV"]
 
 SHM_DIR = "/dev/shm"
 TOKEN_ENV = "MOERL_ROUTING_SERVER"
@@ -136,6 +137,12 @@ def capture_failed(token: str, why: str) -> None:
     with open(path, "w") as f:
         f.write(why)
     atexit.register(unlink, os.path.basename(path))
+
+
+def remove_markers(token: str) -> None:
+    """At the API server's exit: its workers are often killed before their exit handlers run."""
+    for path in (_marker(token), _off_marker(token)):
+        unlink(os.path.basename(path))
 
 
 def capture_off_reason(token: str) -> str | None:
