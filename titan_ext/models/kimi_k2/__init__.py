@@ -1,5 +1,7 @@
 """Kimi-K2: the DeepSeek-V3 architecture as Moonshot ships it (384 experts, one group, 64 heads)."""
 
+from dataclasses import replace
+
 from ..arch import MLAMoEArch, YarnScaling
 
 FLAVORS: dict[str, MLAMoEArch] = {
@@ -50,3 +52,8 @@ FLAVORS: dict[str, MLAMoEArch] = {
         max_seq_len=8192,
     ),
 }
+
+# Full width, four layers (one dense, three MoE), 16 experts: one H200 holds it with fp32
+# master weights and AdamW state (about 5.4e9 parameters), for the training-step benchmark
+# (benchmarks/train_step.py). Per-expert GEMM shapes are the real model's.
+FLAVORS["bench"] = replace(FLAVORS["full"], n_layers=4, num_experts=16)
