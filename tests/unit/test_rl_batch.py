@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from rl_loop.batch import Batch, ModelShape, Sample, pack, reason_kind
+from rl_loop.rollouts import Completion, Conversation
 
 SHAPE = ModelShape(num_moe_layers=3, top_k=2, num_experts=8)
 
@@ -44,6 +45,19 @@ def test_a_sample_the_server_returned_without_routing_carries_the_servers_reason
     assert rejected[0][1] == f"no routing record (shm_full): {lost.routing_error}"
     assert [reason_kind(r) for _, r in rejected] == ["no routing record (shm_full)", "no routing record",
                                                      "routing record does not fit"]
+
+
+def test_a_multi_turn_sample_keeps_the_reason_of_the_first_turn_that_lost_its_routing():
+    conv = Conversation([10, 11, 12])
+    rows = np.tile(np.array([1, 5]), (4, 3, 1))
+    conv.record(Completion([20, 21], [-0.5, -0.5], "", rows), 0, 0)
+    conv.append([30])
+    conv.record(Completion([22], [-0.5], "", None, routing_error="rows_missing: request r: position 6"), 4, 0)
+    conv.record(Completion([23], [-0.5], "", None, routing_error="shm_full: request r2: no room"), 6, 0)
+    sample = conv.sample(1.0, 0)
+    assert sample.routing is None and sample.routing_error == "rows_missing: request r: position 6"
+    _, rejected = pack([_sample(), sample], SHAPE, pad_id=0)
+    assert [(i, reason_kind(r)) for i, r in rejected] == [(1, "no routing record (rows_missing)")]
 
 
 def test_without_replay_records_are_not_needed_and_logprob_count_is_checked():
