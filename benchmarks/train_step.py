@@ -4,20 +4,20 @@ Launches `torchtitan train --extension titan_ext --model kimi_k2 --flavor bench`
 4 layers, 16 experts: `titan_ext/models/kimi_k2`) with `--titan_ext.fp8` and, for comparison,
 without it, and reads tokens/s per step from TorchTitan's log. MFU is stated against the dense
 bf16 matmul rate measured in the same run on the same GPU (an 8192^3 `torch.matmul`, before
-and after the training runs), with the model FLOPs counted here from the architecture:
+and after the training runs, `gpu_bench.dense_bf16_tflops`), with the model FLOPs counted
+here from the architecture:
 training = 3 x forward; forward = 2 x the weights a token meets (attention projections, the
 dense FFN or its top-k + shared experts and the router, the LM head) + causal attention
 (2 x heads x (qk + v head dims) x seq / 2 per layer). TorchTitan's own tflops figure is kept
 beside it. Data: the tiny tokenizer and corpus (`titan_ext.train_config.local_assets`), so no
 download is needed; the token ids only index the embedding.
 
-    python3 benchmarks/train_step.py --out benchmarks/results/train_step_h200.json
+    python -m benchmarks.train_step --out benchmarks/results/train_step_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -28,26 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from .gpu_bench import ResultsFile, dense_bf16_tflops, run_info
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 STEP_LINE = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)")
-
-
-def dense_bf16_tflops(n: int = 8192, iters: int = 10, warmup: int = 3) -> float:
-    """Mean TFLOP/s of n^3 bf16 matmuls on random data (CUDA events)."""
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(warmup):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def train_flops_per_token(arch, seq_len: int) -> float:
@@ -109,18 +93,16 @@ def main() -> None:
 
     arch = get_arch("kimi_k2", args.flavor)
     flops = train_flops_per_token(arch, args.seq_len)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": " ".join(["python3", "benchmarks/train_step.py", *sys.argv[1:]]),
+    res = {**run_info("benchmarks.train_step"),
            "model": {"flavor": args.flavor, "n_layers": arch.n_layers, "dim": arch.dim,
                      "num_experts": arch.num_experts, "top_k": arch.top_k,
                      "tokens_per_step": args.seq_len * args.batch, "train_flops_per_token": flops},
            "dense_bf16_tflops_before": dense_bf16_tflops(), "runs": {}}
-    out = ROOT / args.out
+    out = ResultsFile(ROOT / args.out)
     for name, fp8 in (("fp8", True), ("bf16", False))[:1 if args.skip_bf16 else 2]:
         run = train(args.flavor, args.steps, args.seq_len, args.batch, fp8, args.timeout_s)
         res["runs"][name] = run
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        out.update(res)  # a run cut short keeps what it measured
         print(name, {k: v for k, v in run.items() if k != "log_tail"}, flush=True)
     res["dense_bf16_tflops_after"] = dense_bf16_tflops()
     dense = (res["dense_bf16_tflops_before"] + res["dense_bf16_tflops_after"]) / 2
@@ -130,8 +112,8 @@ def main() -> None:
             run["mfu_vs_measured_dense_bf16"] = run["model_tflops"] / dense
     if {"fp8", "bf16"} <= res["runs"].keys() and res["runs"]["bf16"]["tps_median"] and res["runs"]["fp8"]["tps_median"]:
         res["fp8_speedup_tokens_per_s"] = res["runs"]["fp8"]["tps_median"] / res["runs"]["bf16"]["tps_median"]
-    out.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+    out.update(res)
+    print({k: v for k, v in res.items() if k != "runs"})
     for name, run in res["runs"].items():
         print(name, run.get("tps_median"), run.get("model_tflops"), run.get("mfu_vs_measured_dense_bf16"))
 
