@@ -145,7 +145,10 @@ class RLConfig:
     def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RLConfig:
         """The config in `path` with `overrides` (dotted key -> value) applied on top; ConfigError if invalid."""
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: {e}") from None
         for dotted, value in (overrides or {}).items():
             *parents, leaf = dotted.split(".")
             node = data

@@ -76,6 +76,9 @@ def test_config_file_is_checked_like_overrides(tmp_path):
     path.write_text("[train]\nsteps = 2.5\n")
     with pytest.raises(ConfigError, match=r"^train.steps: Input should be a valid integer, got 2.5$"):
         RLConfig.from_toml(path)
+    path.write_text("[train]\nsteps 2\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: Expected '=' after a key .*\(at line 2, column 7\)$"):
+        RLConfig.from_toml(path)
     path.write_text("seed = 3\n[train]\nsteps = 2\n")
     cfg = RLConfig.from_toml(path)
     assert cfg.seed == 3 and cfg.train.steps == 2 and cfg.train.lr == RLConfig().train.lr
