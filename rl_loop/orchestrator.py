@@ -39,7 +39,7 @@ from .advantages import group_advantages
 from .batch import Batch, ModelShape, Sample, pack, reason_kind
 from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
-from .replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
+from .replicas import Replica, checkpoint_context, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
@@ -256,6 +256,11 @@ class Orchestrator:
         from titan_ext.checkpoint import read_arch
 
         arch = read_arch(init, self.cfg.model.arch)
+        context = checkpoint_context(init)
+        if self.cfg.rollout.max_tokens >= context:  # refused before the trainer or any server starts
+            raise ValueError(f"rollout.max_tokens {self.cfg.rollout.max_tokens} leaves no room for a prompt in the "
+                             f"checkpoint's context of {context} tokens (max_position_embeddings in "
+                             f"{init / 'config.json'}); lower rollout.max_tokens below {context}")
         shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
         reporter = Reporter(self.run_dir, resume_step=start)
         if self.placement:

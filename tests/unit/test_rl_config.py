@@ -102,3 +102,15 @@ def test_cli_reports_a_bad_value_in_one_line_and_exits_2():
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr == "moerl rl: error: train.steps: Input should be a valid integer, got 10.9\n"
+
+
+def test_cli_refuses_max_tokens_beyond_the_checkpoint_context_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rl_loop", "rl", "--config", CONFIG, "--set", "rollout.max_tokens=100000",
+                           "--set", f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    error = [line for line in proc.stderr.splitlines() if line.startswith("moerl rl: error:")]
+    assert error == [f"moerl rl: error: rollout.max_tokens 100000 leaves no room for a prompt in the checkpoint's "
+                     f"context of 8192 tokens (max_position_embeddings in {tmp_path / 'run/init/config.json'}); "
+                     f"lower rollout.max_tokens below 8192"]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "trainer").exists() and not (tmp_path / "run" / "replicas").exists()
