@@ -30,6 +30,7 @@ PATCH_MODULES = (
     "patches.torch_distributed_set_timeout",
     "patches.torchtitan_cpu_device",
     "patches.fsdp_gloo_sum_reduction",
+    "patches.torch_grouped_mm_meta_dtype",
     "patches.vllm_cpu_moe_reload_prepack",
     "patches.vllm_cpu_mla_rope",
 )

@@ -27,3 +27,10 @@ def torchtitan_register_models() -> dict[str, ModelEntry]:
         )
         for name, flavors in ARCHS.items()
     }
+
+
+@hookimpl
+def torchtitan_help() -> str:
+    from .options import options_help
+
+    return options_help()

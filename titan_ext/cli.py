@@ -96,23 +96,56 @@ USAGE = """usage: torchtitan train [--extension NAME ...] --model MODEL --flavor
        torchtitan train --module MODULE --config CONFIG_FN [TorchTitan flags]
        torchtitan list [--extension NAME ...]"""
 
+LAUNCHER_FLAGS = """launcher flags (taken out before TorchTitan parses the rest):
+  --extension NAME  load extension NAME from entry-point group {group!r} (repeatable);
+                    installed: {installed}
+  --model MODEL     train MODEL, registered by a loaded extension (models below); without
+                    --model, --module/--config select a stock TorchTitan config
+  --flavor FLAVOR   the model's flavor (default: full)"""
+
+HELP_FLAGS = ("-h", "--help")
+
+
+def _print_launcher_help(pm: pluggy.PluginManager) -> None:
+    """The launcher's own flags and the loaded extensions' models, printed before TorchTitan's help."""
+    installed = ", ".join(sorted(available_extensions())) or "none"
+    print(USAGE, "", LAUNCHER_FLAGS.format(group=hookspecs.ENTRY_POINT_GROUP, installed=installed), sep="\n")
+    models = collect_models(pm)
+    print("\nmodels of the loaded extensions:" if models else "\nno models: no extension loaded (--extension NAME)")
+    for name, entry in sorted(models.items()):
+        print(f"  {name}: flavors {', '.join(entry.flavors)}  {entry.description}")
+    for text in pm.hook.torchtitan_help():
+        print("\n" + text.rstrip("\n"))
+    print("\nTorchTitan's own flags follow.\n", flush=True)
+
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in ("train", "list"):
-        print(USAGE, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
-        raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
+    if not args or args[0] in HELP_FLAGS or args[0] not in ("train", "list"):
+        print(USAGE, file=sys.stderr if args and args[0] not in HELP_FLAGS else sys.stdout)
+        raise SystemExit(0 if args and args[0] in HELP_FLAGS else 2)
     command, args = args[0], args[1:]
     extensions = _take(args, "--extension", many=True)
     pm = load_extensions(extensions)
+    wants_help = any(a in HELP_FLAGS for a in args)
     if command == "list":
+        if wants_help:
+            print(USAGE.splitlines()[-1].strip(), "\n\nPrints the models (and their flavors) the extensions register.")
+            return
         for name, entry in sorted(collect_models(pm).items()):
             print(f"{name}: flavors {', '.join(entry.flavors)}  {entry.description}")
         return
     model, flavor = _take(args, "--model"), _take(args, "--flavor")
+    if wants_help:
+        _print_launcher_help(pm)
     if model is None:
         if flavor is not None:
             raise ExtensionError("--flavor needs --model")
+        if wants_help and not any(a == "--module" or a.startswith("--module=") for a in args):
+            from torchtitan.trainer import Trainer
+
+            # TorchTitan's help describes a config: with no model chosen, the Trainer's defaults.
+            return _run_torchtitan(args, config=Trainer.Config())
         return _run_torchtitan(args, config=None)
     config = build_config(pm, model, flavor or "full")
     from .options import apply_options, take_options

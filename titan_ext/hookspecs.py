@@ -44,3 +44,8 @@ def torchtitan_override_imports() -> list[str]:
 @hookspec
 def torchtitan_configure(config: object, model: str, flavor: str) -> None:
     """Adjust the Trainer.Config after defaults, before command-line flags are applied."""
+
+
+@hookspec
+def torchtitan_help() -> str:
+    """The extension's own command-line flags, as `torchtitan train --help` lists them."""

@@ -186,3 +186,21 @@ def test_torchtitan_ep_dispatcher_still_asks_is_non_strict_tracing(monkeypatch):
     assert patch_mod.PATCH.needed()
     patch_mod.PATCH.apply()
     assert not patch_mod.PATCH.needed() and torch.compiler._is_non_strict_tracing() is False
+
+
+def test_torch_meta_grouped_mm_still_rejects_fp32(monkeypatch):
+    """The stock meta kernel refuses fp32 (what breaks compiling an fp32 MoE block); the
+    patched one gives the CPU kernel's output shape, strides and dtype."""
+    import torch._meta_registrations as meta
+
+    import titan_ext  # noqa: F401
+    from patches import torch_grouped_mm_meta_dtype as patch_mod
+
+    assert patch_mod.fp32_meta_error() is None  # applied
+    a, b, offs = torch.randn(8, 8), torch.randn(2, 8, 4), torch.tensor([3, 8], dtype=torch.int32)
+    for args in ((a, b), (a.t(), torch.randn(8, 4))):  # forward and the weight-gradient layout
+        ref = torch._grouped_mm(*args, offs=offs)
+        out = torch._grouped_mm(*(t.to("meta") for t in args), offs=offs.to("meta"))
+        assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype)
+    monkeypatch.setattr(meta, "_meta_grouped_mm_common", patch_mod._STOCK)
+    assert "BF16" in patch_mod.fp32_meta_error()

@@ -1,6 +1,7 @@
 """The `torchtitan` launcher: extension discovery by entry point, clear selection errors."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -51,3 +52,34 @@ def test_third_party_extension_is_discovered_through_its_entry_point(tmp_path):
     out = _run("list", "--extension", "titan_ext", "--extension", "acme_ext", env=env)
     assert out.returncode == 0, out.stderr
     assert "acme: flavors small" in out.stdout and "kimi_k2" in out.stdout
+
+
+def test_help_of_every_command_exits_0():
+    for args in (("--help",), ("-h",), ("list", "--help")):
+        out = _run(*args)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+        assert "torchtitan list [--extension NAME ...]" in out.stdout, args
+
+
+def _help_sections(out: subprocess.CompletedProcess) -> tuple[str, str]:
+    """(the launcher's part, TorchTitan's part) of `torchtitan train ... --help`."""
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours, marker, theirs = out.stdout.partition("TorchTitan's own flags follow.")
+    assert marker, out.stdout[:3000]
+    return ours, theirs
+
+
+def test_train_help_lists_models_flavors_and_titan_ext_flags_then_torchtitans_own():
+    ours, theirs = _help_sections(_run("train", "--extension", "titan_ext", "--help"))
+    for flag in ("--extension NAME", "--model MODEL", "--flavor FLAVOR", "--titan_ext.dispatcher", "--titan_ext.fp8"):
+        assert flag in ours and flag not in theirs, flag
+    for model in ("kimi_k2", "glm5", "qwen3_moe"):
+        assert re.search(rf"^  {model}: flavors .*\btiny\b", ours, re.M), model
+    for flag in ("--training.steps", "--parallelism.expert-parallel-degree", "activation-checkpoint:full",
+                 "activation-checkpoint:memory-budget"):
+        assert flag in theirs, flag
+
+
+def test_train_help_with_a_model_shows_its_defaults():
+    _, theirs = _help_sections(_run("train", "--extension", "titan_ext", "--model", "glm5", "--flavor", "tiny", "-h"))
+    assert re.search(r"--training\.seq-len INT\W+Sequence length \(default: 64\)", theirs), theirs[:3000]

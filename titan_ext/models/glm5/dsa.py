@@ -91,31 +91,51 @@ class LightningIndexer(Module):
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        topk = min(self.topk, seqlen)
-        chunk = seqlen if seqlen <= self.query_chunk else self.query_chunk
-        out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=x.device)
-        for s0 in range(0, seqlen, chunk):
-            s1 = min(seqlen, s0 + chunk)
-            # Keys a query of this chunk may see (plus enough to fill top-k); all of them
-            # when one chunk covers the sequence, which keeps small cases identical to
-            # scoring the full S x S matrix.
-            kend = seqlen if chunk == seqlen else min(seqlen, max(s1, topk))
-            out[:, s0:s1] = self._chunk_topk(q[:, s0:s1], k[:, :kend], weights[:, s0:s1], s0, topk)
-        return out
+        return indexer_topk(q, k, weights, min(self.topk, seqlen), self.query_chunk, self.head_dim**-0.5)
 
-    def _chunk_topk(self, q_BCHD, k_BTD, w_BCH, s0: int, topk: int) -> torch.Tensor:
-        bsz, c, h, d = q_BCHD.shape
-        t = k_BTD.size(1)
-        # [B, C*H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
-        scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
-        scores = F.relu_(scores)
-        w = w_BCH.reshape(bsz * c, 1, h)
-        index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
-        index_scores = index_scores.view(bsz, c, t) * self.head_dim**-0.5
-        pos = torch.arange(s0, s0 + c, device=k_BTD.device)
-        future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
-        index_scores.masked_fill_(future, float("-inf"))
-        return index_scores.topk(topk, dim=-1).indices
+
+@torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
+def indexer_topk(
+    q_BSHD: torch.Tensor, k_BSD: torch.Tensor, w_BSH: torch.Tensor, topk: int, query_chunk: int, scale: float
+) -> torch.Tensor:
+    """The indexer's scoring and top-k, chunk by chunk over queries: `[B, S, topk]` key indices.
+
+    One opaque op on purpose: selective activation checkpointing (TorchTitan's default)
+    caches the output of every matmul it sees, which here would keep each chunk's
+    `[chunk, heads, keys]` score scratch (O(S^2 * heads) per layer) and then find it
+    mutated by the in-place ReLU and causal mask. Hidden inside one op, the scratch lives
+    only while the op runs; checkpointing recomputes the op like any other cheap op."""
+    bsz, seqlen = q_BSHD.shape[:2]
+    chunk = seqlen if seqlen <= query_chunk else query_chunk
+    out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=q_BSHD.device)
+    for s0 in range(0, seqlen, chunk):
+        s1 = min(seqlen, s0 + chunk)
+        # Keys a query of this chunk may see (plus enough to fill top-k); all of them
+        # when one chunk covers the sequence, which keeps small cases identical to
+        # scoring the full S x S matrix.
+        kend = seqlen if chunk == seqlen else min(seqlen, max(s1, topk))
+        out[:, s0:s1] = _chunk_topk(q_BSHD[:, s0:s1], k_BSD[:, :kend], w_BSH[:, s0:s1], s0, topk, scale)
+    return out
+
+
+@indexer_topk.register_fake
+def _(q_BSHD, k_BSD, w_BSH, topk, query_chunk, scale):
+    return q_BSHD.new_empty(*q_BSHD.shape[:2], topk, dtype=torch.long)
+
+
+def _chunk_topk(q_BCHD, k_BTD, w_BCH, s0: int, topk: int, scale: float) -> torch.Tensor:
+    bsz, c, h, d = q_BCHD.shape
+    t = k_BTD.size(1)
+    # [B, C*H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
+    scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
+    scores = F.relu_(scores)
+    w = w_BCH.reshape(bsz * c, 1, h)
+    index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
+    index_scores = index_scores.view(bsz, c, t) * scale
+    pos = torch.arange(s0, s0 + c, device=k_BTD.device)
+    future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
+    index_scores.masked_fill_(future, float("-inf"))
+    return index_scores.topk(topk, dim=-1).indices
 
 
 @functools.cache
@@ -147,15 +167,7 @@ class _SparseLatentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BSHC, kv_BSC, idx_BSK, scale: float, v_dim: int, chunk: int):
-        bsz, seqlen, n_heads, _ = q_BSHC.shape
-        out = q_BSHC.new_empty(bsz, seqlen, n_heads, v_dim)
-        lse = torch.empty(bsz, seqlen, n_heads, dtype=torch.float32, device=q_BSHC.device)
-        for b in range(bsz):
-            for s0 in range(0, seqlen, chunk):
-                s1 = min(seqlen, s0 + chunk)
-                kc, p, l = _SparseLatentAttention._probs(q_BSHC[b, s0:s1], kv_BSC[b], idx_BSK[b, s0:s1], s0, scale)
-                out[b, s0:s1] = torch.bmm(p.to(q_BSHC.dtype), kc[..., :v_dim])
-                lse[b, s0:s1] = l
+        out, lse = sparse_latent_attention_fwd(q_BSHC, kv_BSC, idx_BSK, scale, v_dim, chunk)
         ctx.save_for_backward(q_BSHC, kv_BSC, idx_BSK, out, lse)
         ctx.scale, ctx.v_dim, ctx.chunk = scale, v_dim, chunk
         return out
@@ -194,6 +206,34 @@ class _SparseLatentAttention(torch.autograd.Function):
                 dkc[..., :v_dim] += bmm_fp32(p.transpose(1, 2), doc)
                 dkv[b].index_add_(0, ic.reshape(-1), dkc.view(-1, dkc.size(-1)))
         return dq, dkv.to(kv_BSC.dtype), None, None, None, None
+
+
+@torch.library.custom_op("titan_ext::dsa_sparse_latent_attention_fwd", mutates_args=())
+def sparse_latent_attention_fwd(
+    q_BSHC: torch.Tensor, kv_BSC: torch.Tensor, idx_BSK: torch.Tensor, scale: float, v_dim: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_SparseLatentAttention`'s forward: (out `[B, S, H, v_dim]`, lse `[B, S, H]` fp32).
+
+    One opaque op for the same reason as `indexer_topk`: selective activation checkpointing
+    would otherwise cache every chunk's gathered scores (O(S * heads * topk)) and find them
+    mutated by the in-place scale, mask and softmax; the autograd function already saves
+    what its backward needs."""
+    bsz, seqlen, n_heads, _ = q_BSHC.shape
+    out = q_BSHC.new_empty(bsz, seqlen, n_heads, v_dim)
+    lse = torch.empty(bsz, seqlen, n_heads, dtype=torch.float32, device=q_BSHC.device)
+    for b in range(bsz):
+        for s0 in range(0, seqlen, chunk):
+            s1 = min(seqlen, s0 + chunk)
+            kc, p, l = _SparseLatentAttention._probs(q_BSHC[b, s0:s1], kv_BSC[b], idx_BSK[b, s0:s1], s0, scale)
+            out[b, s0:s1] = torch.bmm(p.to(q_BSHC.dtype), kc[..., :v_dim])
+            lse[b, s0:s1] = l
+    return out, lse
+
+
+@sparse_latent_attention_fwd.register_fake
+def _(q_BSHC, kv_BSC, idx_BSK, scale, v_dim, chunk):
+    out = q_BSHC.new_empty(*q_BSHC.shape[:3], v_dim)
+    return out, q_BSHC.new_empty(q_BSHC.shape[:3], dtype=torch.float32)
 
 
 class DSAAttention(Attention):
