@@ -9,10 +9,10 @@ count of the block benchmark), so the model has ranks x local experts in total, 
 `tokens` tokens routed top-8 uniformly at random over all of them (about (ranks-1)/ranks
 of the routed rows leave the rank). Measured in one run, per case:
 
-* ``dispatcher``: titan_ext's token dispatcher with an EP mesh (TorchTitan's all-to-all
-  dispatcher: count exchange, host sync for the split sizes, row all-to-all, expert-major
-  permutation) then its combine (inverse permutation, all-to-all back, weighted
-  un-permute), experts replaced by the identity; forward, and forward+backward;
+* ``dispatcher``: each token dispatcher named by ``--dispatchers`` (titan_ext's
+  `--titan_ext.dispatcher` choices: ``lean``, ``torchtitan``, ``deepep`` when `deep_ep` imports)
+  with an EP mesh, dispatch then combine, experts replaced by the identity; forward, and
+  forward+backward;
 * ``all_to_all_single``: `all_to_all_single` of the same rows with the same split sizes, there and
   back (the bytes the dispatcher must move, with nothing else).
 
@@ -23,6 +23,7 @@ x 2 bytes, both directions). Rank 0 writes the result under the key "ep" of `--o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models import get_arch
-from titan_ext.models.experts import LeanTokenDispatcher
+from titan_ext.models.builder import DISPATCHERS
 from torchtitan.distributed.utils import set_spmd_backend
 
 from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info
@@ -59,7 +60,7 @@ def timed(fn, iters: int, warmup: int, dev) -> float:
     return statistics.median(out)
 
 
-def case(model: str, tokens: int, mesh, dev, iters: int) -> dict:
+def case(model: str, tokens: int, dispatcher: str, mesh, dev, iters: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = get_arch(model, "full")
     d, k = arch.dim, arch.top_k
@@ -69,7 +70,7 @@ def case(model: str, tokens: int, mesh, dev, iters: int) -> dict:
     ids = torch.rand(tokens, n_experts, device=dev, generator=g).topk(k, dim=-1).indices
     scores = torch.rand(tokens, k, device=dev, generator=g).requires_grad_(True)
     counts = torch.bincount(ids.reshape(-1), minlength=n_experts)
-    disp = LeanTokenDispatcher(LeanTokenDispatcher.Config(num_experts=n_experts, top_k=k))
+    disp = DISPATCHERS[dispatcher](num_experts=n_experts, top_k=k).build()
     disp.wire_meshes(ep_mesh=mesh)
     gy = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, generator=g)
 
@@ -108,7 +109,8 @@ def case(model: str, tokens: int, mesh, dev, iters: int) -> dict:
     fwd_ms, fb_ms, raw_ms = times.tolist()
     b = float(cross.item())
     return {
-        "model": model, "tokens_per_rank": tokens, "ranks": world, "experts": n_experts, "hidden": d, "top_k": k,
+        "model": model, "tokens_per_rank": tokens, "dispatcher": dispatcher, "ranks": world, "experts": n_experts,
+        "hidden": d, "top_k": k,
         "cross_rank_bytes_per_rank": int(b),
         "dispatcher_fwd_ms": round(fwd_ms, 3), "dispatcher_fwd_gbps": round(b / fwd_ms / 1e6, 1),
         "dispatcher_fwd_bwd_ms": round(fb_ms, 3), "dispatcher_fwd_bwd_gbps": round(2 * b / fb_ms / 1e6, 1),
@@ -119,6 +121,8 @@ def case(model: str, tokens: int, mesh, dev, iters: int) -> dict:
 
 def main() -> None:
     ap = moe_arg_parser(__doc__, iters=10)
+    ap.add_argument("--dispatchers", nargs="+", choices=list(DISPATCHERS),
+                    default=["lean", "torchtitan", *(["deepep"] if importlib.util.find_spec("deep_ep") else [])])
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -131,15 +135,15 @@ def main() -> None:
     cases = []
     for model in args.models:
         for tokens in args.tokens:
-            c = case(model, tokens, mesh, dev, args.iters)
-            cases.append(c)
-            if rank == 0:
-                print(json.dumps(c), flush=True)
+            for dispatcher in args.dispatchers:
+                c = case(model, tokens, dispatcher, mesh, dev, args.iters)
+                cases.append(c)
+                if rank == 0:
+                    print(json.dumps(c), flush=True)
     if rank == 0:
         ResultsFile(Path(args.out)).update({"ep": {
             **run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"),
             "backend": dist.get_backend(),
-            "dispatcher": "TorchTitan AllToAllTokenDispatcher (titan_ext LeanTokenDispatcher with an EP mesh)",
             "cases": cases,
         }})
     dist.destroy_process_group()
