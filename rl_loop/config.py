@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
 from .placement import parse_cpus
@@ -130,6 +130,21 @@ class TrainConfig:
         "replicas are auto too (trainer and inference on disjoint cores, so async steps overlap); '' "
         "(--set train.cpus=): no pinning",
     )
+
+    @model_validator(mode="after")
+    def _model_builds(self) -> TrainConfig:
+        """Refuse what the trainer's model builder would refuse (titan_ext's own rule), before anything starts.
+
+        Only fp8 experts constrain the dispatcher, and the rule's module imports TorchTitan (seconds),
+        so configs without fp8 (the defaults `moerl rl --help` shows) never import it."""
+        if self.fp8:
+            from titan_ext.models.builder import check_moe_options
+
+            try:
+                check_moe_options(self.dispatcher, self.fp8)
+            except ValueError as e:
+                raise ValueError(f"fp8 = true with dispatcher = {self.dispatcher!r}: {e}") from None
+        return self
 
 
 @dataclass(config=CONFIG)

@@ -114,3 +114,26 @@ def test_cli_refuses_max_tokens_beyond_the_checkpoint_context_before_anything_st
                      f"lower rollout.max_tokens below 8192"]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "trainer").exists() and not (tmp_path / "run" / "replicas").exists()
+
+
+def test_fp8_experts_with_torchtitans_dispatcher_are_refused_when_the_config_is_checked(tmp_path):
+    """titan_ext's rule (`builder.check_moe_options`, what `torchtitan train` refuses), applied by
+    the config check: one line, exit 2, before the tiny checkpoint, a server or the trainer exists."""
+    assert load("train.fp8=true", "train.dispatcher=lean").train.fp8
+    assert load("train.fp8=true", "train.dispatcher=deepep").train.dispatcher == "deepep"
+    proc = subprocess.run([sys.executable, "-m", "rl_loop", "rl", "--config", CONFIG, "--set", "train.fp8=true",
+                           "--set", "train.dispatcher=torchtitan", "--set", f"run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr == ("moerl rl: error: train: fp8 = true with dispatcher = 'torchtitan': fp8 experts need "
+                           "the lean or deepep dispatcher, not torchtitan's\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_checking_a_config_without_fp8_imports_no_torchtitan():
+    """`moerl --help` and `moerl rl --help` build the parser from this module: it stays light."""
+    code = ("import sys; from rl_loop.config import RLConfig, describe; describe(); RLConfig(); "
+            "print(sorted(m for m in ('torch', 'torchtitan', 'titan_ext') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -62,8 +62,8 @@ def test_moerl_rl_takes_the_same_choices_in_its_trainer_config():
     from tests.conftest import ROOT
 
     toml = ROOT / "configs/tiny_kimi_k2.toml"
-    train = RLConfig.from_toml(toml, {"train.dispatcher": "torchtitan", "train.fp8": True}).train
-    assert (train.dispatcher, train.fp8) == ("torchtitan", True)
+    train = RLConfig.from_toml(toml, {"train.dispatcher": "deepep", "train.fp8": True}).train
+    assert (train.dispatcher, train.fp8) == ("deepep", True)
     assert (RLConfig.from_toml(toml).train.dispatcher, RLConfig.from_toml(toml).train.fp8) == ("lean", False)
     with pytest.raises(ConfigError, match="train.dispatcher"):
         RLConfig.from_toml(toml, {"train.dispatcher": "nccl"})

@@ -139,16 +139,23 @@ def build_model_config(
     )
 
 
-def configure_moe(model_cfg, *, dispatcher: Dispatcher = "lean", fp8: bool = False) -> None:
-    """Switch every MoE layer of a built model config to `dispatcher`, and to fp8 experts when `fp8`.
+def check_moe_options(dispatcher: str, fp8: bool) -> None:
+    """ValueError (one line) unless `dispatcher` and `fp8` can build a model together.
 
     fp8 experts lay out their own expert rows from the lean route (`fp8_experts`), so they
-    need a lean-family dispatcher (lean or deepep), not TorchTitan's.
+    need a lean-family dispatcher (lean or deepep), not TorchTitan's. The one statement of
+    the rule: `configure_moe` (torchtitan train) and `moerl rl`'s config check call it.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {dispatcher!r}; choose one of {', '.join(DISPATCHERS)}")
     if fp8 and dispatcher == "torchtitan":
         raise ValueError("fp8 experts need the lean or deepep dispatcher, not torchtitan's")
+
+
+def configure_moe(model_cfg, *, dispatcher: Dispatcher = "lean", fp8: bool = False) -> None:
+    """Switch every MoE layer of a built model config to `dispatcher`, and to fp8 experts when `fp8`
+    (`check_moe_options` first)."""
+    check_moe_options(dispatcher, fp8)
     for layer in model_cfg.layers:
         moe = getattr(layer, "moe", None)
         if moe is None:
