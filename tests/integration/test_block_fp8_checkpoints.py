@@ -1,6 +1,6 @@
-"""Block-fp8, sharded checkpoints as Kimi-K2 and GLM-5 are published, end to end: `moerl
-check-parity` against transformers, GLM-5's MTP layer skipped, and the host memory a 2-shard
-load takes (measured in a fresh process)."""
+"""Block-fp8, sharded checkpoints as Kimi-K2 and GLM-5 are published, end to end: made by `moerl
+make-tiny-checkpoint --block-fp8 --shards 2 [--mtp]`, `moerl check-parity` against transformers,
+GLM-5's MTP layer skipped, and the host memory a 2-shard load takes (measured in a fresh process)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,28 @@ from titan_ext.models import get_arch, spec_from_arch
 from titan_ext.models.block_fp8 import BlockFp8Config
 from titan_ext.parity import REFERENCE_DEQUANTIZED
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT, VENV_BIN
+
+MOERL = VENV_BIN / "moerl"
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """published(arch) -> a tiny block-fp8 checkpoint in 2 shards (GLM-5 with its MTP layer)."""
-    from rl_loop.tiny_models import make_tiny_checkpoint
-
+    """published(arch) -> a tiny block-fp8 checkpoint in 2 shards (GLM-5 with its MTP layer), made
+    by the command a user runs (README: "Block-fp8 and sharded checkpoints")."""
     base = tmp_path_factory.mktemp("published")
-    return lambda arch: make_tiny_checkpoint(arch, base / arch, init_scale=0.1, block_fp8=True, shards=2,
-                                             mtp=arch == "glm5")
+
+    def make(arch: str) -> Path:
+        out = base / arch
+        if not (out / "moerl_tiny.json").exists():
+            run = subprocess.run([str(MOERL), "make-tiny-checkpoint", "--arch", arch, "--out", str(out),
+                                  "--init-scale", "0.1", "--block-fp8", "--shards", "2",
+                                  *(["--mtp"] if arch == "glm5" else [])],
+                                 capture_output=True, text=True, timeout=600, cwd=ROOT)
+            assert run.returncode == 0, run.stderr[-3000:]
+        return out
+
+    return make
 
 
 @pytest.mark.parametrize("arch,cut", [("kimi_k2", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"),
@@ -40,10 +51,11 @@ def test_parity_on_published_layout(published, arch, cut):
     ckpt = published(arch)
     tensors = checkpoint_tensors(ckpt)
     assert len({t.file for t in tensors.values()}) == 2
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"] == BlockFp8Config().to_hf()
     # a weight of two or more row blocks whose last block is cut (576 = 4.5 x 128, 192 = 1.5 x 128)
     assert tensors[cut].dtype == "F8_E4M3" and tensors[cut].shape[0] % 128 and tensors[cut].shape[0] > 128
     seq_len = 4 * get_arch(arch, "tiny").index_topk if arch == "glm5" else 64  # GLM-5: sparse attention at work
-    run = subprocess.run([sys.executable, "-m", "rl_loop", "check-parity", "--hf-checkpoint", str(ckpt),
+    run = subprocess.run([str(MOERL), "check-parity", "--hf-checkpoint", str(ckpt),
                           "--model", arch, "--seq-len", str(seq_len), "--json"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,29 @@ def test_a_server_that_fails_to_start_is_one_line_with_its_log(ctx256_checkpoint
     cause = line.split("before it was healthy: ", 1)[1].removesuffix(f" (log: {log})")
     assert cause in log.read_text()
     assert "SafetensorError" in cause  # the worker's error, not the wrappers that point to it
+
+
+def test_mismatch_serves_the_trainer_weights_block_fp8_dequantized(tiny_checkpoint, tmp_path):
+    """`--served-weights block-fp8-dequantized`: the server loads the block-fp8 export of the
+    trainer's weights dequantized on load (a temporary checkpoint, gone after the run), and the
+    report says so; the trainer side still reads the original checkpoint."""
+    from titan_ext.models.block_fp8 import BlockFp8Config
+
+    ckpt = tiny_checkpoint("kimi_k2", 0.1)
+    out = tmp_path / "mismatch.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt), "--served-weights",
+         "block-fp8-dequantized", "--num-samples", "4", "--max-tokens", "8", "--json-out", str(out),
+         "--port", "18652", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(served: block-fp8-dequantized)" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["served_weights"] == r["config"]["served_weights"] == "block-fp8-dequantized"
+    assert r["served_quantization"] == BlockFp8Config().to_hf()
+    assert r["model"] == "kimi_k2" and r["num_completions"] == 4 and r["completion_tokens_min"] == 8
+    assert r["details"]["num_rejected"] == 0
+    served = re.search(r"model='([^']*)'", (tmp_path / "logs" / "mismatch.log").read_text())
+    assert served, "the server log names no model"
+    assert served[1].endswith("/dequantized") and served[1] != str(ckpt)
+    assert not Path(served[1]).exists()  # the served copy was temporary

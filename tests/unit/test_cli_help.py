@@ -55,3 +55,13 @@ def test_rl_help_lists_every_config_key():
         for key in cls.__pydantic_fields__:
             assert f"\n  {key} = " in text.split(f"[{section}]", 1)[1]
     assert "\n  seed = 0  # " in text and RLConfig.__pydantic_fields__["seed"].description in text
+
+
+def test_mismatch_served_weights_choices_are_the_librarys():
+    """The parser keeps its own copy (importing rl_loop.mismatch means importing torch); it must not drift."""
+    from typing import get_args
+
+    from rl_loop.cli import SERVED_WEIGHTS
+    from rl_loop.mismatch import ServedWeights
+
+    assert SERVED_WEIGHTS == get_args(ServedWeights)
