@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch._functorch.config
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -38,7 +39,18 @@ def local_assets(model: str) -> Path:
     return out
 
 
+def _size_process_groups_as_zero() -> None:
+    """Let `activation-checkpoint:memory-budget` partition graphs that hold a ProcessGroup.
+
+    Under expert parallel the dispatcher's collectives take the EP process group, which a
+    compiled block sees as a script object; the budgeted partitioner refuses script objects
+    it cannot size unless told they are empty. These are titan_ext's only script objects
+    and hold no tensors, so zero is their true activation size."""
+    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+
+
 def trainer_config(model: str, flavor: str) -> Trainer.Config:
+    _size_process_groups_as_zero()
     spec = model_spec(model, flavor)
     assets = local_assets(model) if flavor == "tiny" else Path(f"./assets/hf/{model}")
     return Trainer.Config(

@@ -1,5 +1,9 @@
 """TorchTitan with titan_ext on gloo, several processes: FSDP2, FSDP2 + expert parallel 2."""
 
+import math
+import re
+import subprocess
+
 import pytest
 import torch
 
@@ -65,3 +69,55 @@ def test_twenty_steps_with_expert_parallel_2_reduce_loss(tmp_path):
 def test_fsdp_two_processes_reduce_loss(tmp_path):
     losses = _train(tmp_path, 2, "--training.steps", "10")
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
+
+
+# The README's command, `torchtitan train --extension titan_ext --model M --flavor tiny`, for every
+# model the README names, on every topology (one process; torchrun x2 with FSDP2; torchrun x2 with
+# FSDP2 + EP=2) and under every activation-checkpointing mode TorchTitan offers. Not the full cross
+# product (each run costs a process start): every model runs every topology and every AC mode; the
+# default (selective) runs on one process for each model and under both torchrun topologies for
+# GLM-5 (for Kimi-K2 the loss tests above do); full and none each run under torchrun for some model.
+# memory-budget needs a compiled model: aot_eager_decomp_partition runs the budgeted partitioner
+# without inductor's C++ build.
+TOPOLOGIES = {"single": (1, []), "fsdp2": (2, []), "ep2": (2, ["--parallelism.expert_parallel_degree", "2"])}
+AC_FLAGS = {  # after every other flag: tyro parses flags after a subcommand as the subcommand's
+    "selective": [],  # TorchTitan's default
+    "full": ["activation-checkpoint:full"],
+    "none": ["activation-checkpoint:none"],
+    "memory-budget": ["--compile.enable", "--compile.backend", "aot_eager_decomp_partition",
+                      "activation-checkpoint:memory-budget"],
+}
+AC_LOG = {"selective": "Applied SelectiveAC activation checkpointing", "full": "Applied FullAC activation checkpointing",
+          "none": None, "memory-budget": "Selected 0.5 budget option"}
+CLI_CASES = [
+    ("glm5", "single", "selective"), ("glm5", "fsdp2", "selective"), ("glm5", "ep2", "selective"),
+    ("glm5", "ep2", "full"), ("glm5", "single", "none"), ("glm5", "single", "memory-budget"),
+    ("kimi_k2", "single", "selective"), ("kimi_k2", "fsdp2", "full"), ("kimi_k2", "ep2", "none"),
+    ("kimi_k2", "single", "memory-budget"),
+    ("qwen3_moe", "single", "selective"), ("qwen3_moe", "fsdp2", "none"), ("qwen3_moe", "ep2", "full"),
+    ("qwen3_moe", "single", "memory-budget"),
+]
+
+
+def test_cli_cases_cover_every_model_topology_and_ac_mode():
+    for model in ("glm5", "kimi_k2", "qwen3_moe"):
+        assert {t for m, t, _ in CLI_CASES if m == model} == set(TOPOLOGIES), model
+        assert {a for m, _, a in CLI_CASES if m == model} == set(AC_FLAGS), model
+        assert (model, "single", "selective") in CLI_CASES
+
+
+@pytest.mark.parametrize("model,topology,ac", CLI_CASES, ids=["-".join(c) for c in CLI_CASES])
+def test_torchtitan_cli_trains(tmp_path, model, topology, ac):
+    nproc, parallel_flags = TOPOLOGIES[topology]
+    args = [TORCHTITAN, "train", "--extension", "titan_ext", "--model", model, "--flavor", "tiny",
+            "--training.steps", "3", "--dump_folder", str(tmp_path), *parallel_flags, *AC_FLAGS[ac]]
+    if nproc == 1:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    else:
+        proc = run_torchrun(nproc, *args)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    losses = losses_from_log(log)
+    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
+    applied = re.findall(r"Applied \w+ activation checkpointing|Selected [\d.]+ budget option", log)
+    assert set(applied) == ({AC_LOG[ac]} if AC_LOG[ac] else set()), applied
