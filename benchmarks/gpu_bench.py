@@ -1,9 +1,10 @@
 """What the GPU benchmarks share: the EP=8 shapes, timing, and the results file they write into.
 
-``moe_block``, ``dsa_layer`` and ``fp8_probe`` (one GPU) and ``moe_ep`` (torchrun, 2+ GPUs)
-all write ``benchmarks/results/moe_block_h200.json``, each under its own keys, so that one
-run does not drop the others' results: ``ResultsFile.update`` reads the file, replaces the
-keys it is given, and writes it back.
+``moe_block``, ``dsa_layer`` and ``fp8_probe`` (one GPU) all write
+``benchmarks/results/moe_block_h200.json``, each under its own keys, so that one run does not
+drop the others' results: ``ResultsFile.update`` reads the file, replaces the keys it is given,
+and writes it back. ``moe_ep`` (torchrun, 2+ GPUs) writes its key ``ep`` the same way, by default
+into ``benchmarks/results/moe_ep_h200.json`` (an earlier dispatch-only run of it is in the block file).
 """
 
 from __future__ import annotations

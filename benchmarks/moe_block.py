@@ -37,26 +37,31 @@ import torch.nn.functional as F
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models import get_arch
-from titan_ext.models.builder import build_model_config
+from titan_ext.models.builder import build_model_config, configure_moe
 from titan_ext.models.fp8_experts import drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8
 from titan_ext.replay import replay_routing
 from torchtitan.models.common.moe import GroupedExperts
-from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from .gpu_bench import (
     LOCAL_EXPERTS, Clock, ResultsFile, cuda_device, dense_bf16_tflops, moe_arg_parser, run_info, timed, timed_interleaved,
     zero_grads)
 
 
-def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = False):
-    arch = dataclasses.replace(get_arch(model, "full"), num_experts=LOCAL_EXPERTS[model], n_layers=2, n_dense_layers=1)
+def build_moe(model: str, dev, pad_multiple: int = 1, dispatcher: str = "lean", ranks: int = 1,
+              flavor: str = "full"):
+    """The MoE block of `model` holding its EP=8 local experts, bf16 parameters, deterministic weights.
+
+    `ranks` > 1 builds one rank's block under expert parallel (`benchmarks.moe_ep`): the router and
+    the dispatcher see ranks x local experts, the block holds the local ones (the dispatcher
+    still needs its EP mesh wired). `flavor` "tiny" gives CPU smoke runs the same structure."""
+    local = LOCAL_EXPERTS[model]
+    arch = dataclasses.replace(get_arch(model, flavor), num_experts=local * ranks, n_layers=2, n_dense_layers=1)
     cfg = build_model_config(arch)
+    configure_moe(cfg, dispatcher=dispatcher)
     moe_cfg = next(layer for layer in cfg.layers if layer.moe is not None).moe
-    d = moe_cfg.routed_experts.token_dispatcher  # titan_ext's builder: LeanTokenDispatcher
-    if stock_dispatcher:
-        moe_cfg.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=d.num_experts, top_k=d.top_k)
-    else:
-        d.pad_multiple = pad_multiple
+    moe_cfg.routed_experts.inner_experts.num_experts = local
+    if dispatcher != "torchtitan":
+        moe_cfg.routed_experts.token_dispatcher.pad_multiple = pad_multiple
     with torch.device(dev):
         moe = moe_cfg.build()
     torch.manual_seed(0)
@@ -67,6 +72,39 @@ def build_moe(model: str, dev, pad_multiple: int = 1, stock_dispatcher: bool = F
         for p in moe.parameters():  # bf16 compute, as under FSDP2 mixed precision; buffers stay fp32
             p.data = p.data.to(torch.bfloat16)
     return moe.train(), arch
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """A block's own routing of its tokens, and the replay record the replay cases feed back."""
+
+    scores: torch.Tensor  # [B, S, K]
+    ids: torch.Tensor  # [B, S, K]
+    counts: torch.Tensor  # routed rows per expert (all experts the router sees)
+    replay_ids: torch.Tensor  # [B, S, moe layers = 1, K]: ids with 5% of the tokens routed differently
+
+
+def routing(moe, x, g: torch.Generator) -> Routing:
+    with torch.no_grad():
+        scores, ids, _ = moe.router(x, moe.expert_bias_E)
+        n = moe.router.num_experts
+        counts = torch.bincount(ids.reshape(-1), minlength=n)
+        replay_ids = ids.clone()
+        flip = torch.rand(x.size(1), device=x.device, generator=g) < 0.05
+        replay_ids[0, flip] = (replay_ids[0, flip] + 1) % n
+    return Routing(scores, ids, counts, replay_ids.unsqueeze(2))
+
+
+def block_step(m, x, gy, replay_ids, replay: bool, requantise: bool = False):
+    """One forward+backward of block `m` on x, gy; with `replay`, under router replay of `replay_ids`."""
+    def step():
+        if requantise:  # as after an optimizer step: the fp8 weights are made again
+            drop_cached_weights(m)
+        zero_grads(m)
+        x.grad = None
+        with replay_routing(m, replay_ids) if replay else nullcontext():
+            m(x).backward(gy)
+    return step
 
 
 def block_flops(arch, tokens: int) -> dict:
@@ -146,13 +184,8 @@ def moe_cases(model: str, tokens_list, dev, run: BlockRun, fp8: bool = True):
         g = torch.Generator(device=dev).manual_seed(tokens)
         x = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
         gy = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g)
-        with torch.no_grad():
-            _, own_ids, _ = bf16.router(x, bf16.expert_bias_E)
-            counts = torch.bincount(own_ids.reshape(-1), minlength=LOCAL_EXPERTS[model])
-            replay_ids = own_ids.clone()
-            flip = torch.rand(tokens, device=dev, generator=g) < 0.05  # 5% of tokens routed differently
-            replay_ids[0, flip] = (replay_ids[0, flip] + 1) % LOCAL_EXPERTS[model]
-            replay_ids = replay_ids.unsqueeze(2)  # [B, S, moe layers, K]
+        route = routing(bf16, x, g)
+        counts = route.counts
         n_iters = run.iters * max(1, 65536 // tokens)  # short steps: more of them, for a stable median
         roof8 = None
         if fp8:
@@ -164,14 +197,7 @@ def moe_cases(model: str, tokens_list, dev, run: BlockRun, fp8: bool = True):
                 log("fp8 grouped FFN failed:\n" + traceback.format_exc(limit=3))
 
         def run_block(m, replay, requantise=False):
-            def step():
-                if requantise:  # as after an optimizer step: the fp8 weights are made again
-                    drop_cached_weights(m)
-                zero_grads(m)
-                x.grad = None
-                with replay_routing(m, replay_ids) if replay else nullcontext():
-                    m(x).backward(gy)
-            return step
+            return block_step(m, x, gy, route.replay_ids, replay, requantise)
 
         def add(dtype, replay, ms, variant, **extra):
             tf = fl["total"] / ms / 1e9
@@ -196,7 +222,7 @@ def moe_cases(model: str, tokens_list, dev, run: BlockRun, fp8: bool = True):
         for replay, ms in zip((False, True), eager_ms):
             add("bf16", replay, ms, "eager")
         if tokens == max(tokens_list):
-            stock, _ = build_moe(model, dev, stock_dispatcher=True)
+            stock, _ = build_moe(model, dev, dispatcher="torchtitan")
             add("bf16", False, timed(run_block(stock, False), run.iters, 2), "eager, torchtitan stock dispatcher")
             del stock
         torch.cuda.empty_cache()

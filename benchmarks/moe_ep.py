@@ -1,33 +1,56 @@
-"""Expert-parallel token dispatch over 2+ GPUs: dispatcher vs raw NCCL all-to-all, same bytes.
+"""Expert parallel over 2+ GPUs: the whole MoE block at EP=N against EP=1, and its dispatch against raw NCCL.
 
 Run under torchrun, one process per GPU:
 
-    torchrun --standalone --nproc_per_node 2 -m benchmarks.moe_ep --out benchmarks/results/moe_block_h200.json
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.moe_ep --out benchmarks/results/moe_ep_h200.json
 
-Each rank holds `local experts` of the model (48 for Kimi-K2, 32 for GLM-5: the EP=8
-count of the block benchmark), so the model has ranks x local experts in total, and
-`tokens` tokens routed top-8 uniformly at random over all of them (about (ranks-1)/ranks
-of the routed rows leave the rank). Measured in one run, per case:
+Each rank holds `local experts` of the model (48 for Kimi-K2, 32 for GLM-5: the EP=8 count of
+the block benchmark), so the model has ranks x local experts in total, and `tokens` tokens of
+its own. The blocks are `benchmarks.moe_block`'s (`build_moe`: hidden 7168 / 6144, expert dim
+2048, top-8, one shared expert, sigmoid router, deterministic random weights), routed by their
+own router. Measured in one run, per model, tokens per rank and dispatcher of ``--dispatchers``
+(titan_ext's `--titan_ext.dispatcher` choices: ``lean``, ``torchtitan``, ``deepep`` when
+`deep_ep` imports), all in the same timing rounds (the clocks of these GPUs drift by a few
+percent between seconds-apart runs):
 
-* ``dispatcher``: each token dispatcher named by ``--dispatchers`` (titan_ext's
-  `--titan_ext.dispatcher` choices: ``lean``, ``torchtitan``, ``deepep`` when `deep_ep` imports)
-  with an EP mesh, dispatch then combine, experts replaced by the identity; forward, and
-  forward+backward;
-* ``all_to_all_single``: `all_to_all_single` of the same rows with the same split sizes, there and
-  back (the bytes the dispatcher must move, with nothing else).
+* ``blocks``: the block forward+backward at EP=N (the dispatcher given its EP mesh, the rank's
+  local experts) and, on rank 0's GPU, the EP=1 block (lean dispatcher, the same local expert
+  count, rank 0's tokens): bf16, and fp8 (`fp8_experts.to_fp8`, weights quantised every step, as
+  after each optimizer step) where `builder.check_moe_options` allows it (not with
+  ``torchtitan``); each with router replay off and on (5% of the tokens routed differently, as
+  in `moe_block`). The fp8 blocks share the bf16 blocks' parameters. Per-GPU TFLOP/s count the
+  block's matmuls for the rank's tokens (`moe_block.block_flops`; EP=N's gate scores all N x
+  local experts);
+* ``dispatch``: the dispatcher alone on the EP=N block's tokens and routing, dispatch then
+  combine with the experts replaced by the identity, forward and forward+backward, and
+  `all_to_all_single` of the same rows with the same split sizes there and back (the bytes the
+  dispatcher must move, with nothing else). Bandwidth counts the bytes that cross between ranks
+  (rows sent to another rank x hidden x 2 bytes, both directions, the max over ranks);
+* ``ratios``: ``ep_over_ep1_per_gpu`` (EP=N over EP=1 per-GPU TFLOP/s, replay off, per dtype),
+  ``dispatcher_over_all_to_all_single`` (the dispatcher's forward bytes/s over raw all-to-all's;
+  ``..._fwd_bwd_...`` for forward+backward, twice the bytes), ``fp8_over_bf16`` (TFLOP/s at EP=1
+  and EP=N, replay off; null without fp8) and ``replay_ms_on_over_off`` (per dtype and EP
+  degree; 1.02 is a 2% replay cost).
 
-Bandwidth counts the bytes that cross between ranks (rows sent to another rank x hidden
-x 2 bytes, both directions). Rank 0 writes the result under the key "ep" of `--out`
-(other keys kept), so it lands beside the single-GPU block results.
+``summary`` picks, per model, tokens and dtype, the dispatcher with the fastest EP=N block
+(replay off) and repeats its ratios: the figures the EP acceptance of issue #17 names. Times
+are wall clock, every rank in step (a barrier before each run; the max over ranks), since the
+all-to-alls make every rank wait for the slowest; the EP=1 block runs on rank 0 while the
+others wait. Rank 0 writes everything under the key "ep" of `--out` (other keys kept), after
+each case. ``--flavor tiny`` (the same structure at CPU size) makes a CPU/gloo smoke run fit in
+memory; its figures are not measurements.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -35,60 +58,70 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models import get_arch
-from titan_ext.models.builder import DISPATCHERS
+from titan_ext.models.builder import DISPATCHERS, check_moe_options
+from titan_ext.models.fp8_experts import to_fp8
 from torchtitan.distributed.utils import set_spmd_backend
 
-from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info
+from .gpu_bench import LOCAL_EXPERTS, ResultsFile, cuda_device, moe_arg_parser, run_info
+from .moe_block import block_flops, block_step, build_moe, routing
 
 
-def timed(fn, iters: int, warmup: int, dev) -> float:
-    """Median ms over iters, every rank in step (barrier before each run): wall clock, as the
-    all-to-alls make every rank wait for the slowest."""
+def timed_rounds(fns: Sequence[Callable[[], object]], iters: int, warmup: int, dev) -> list[float]:
+    """Median wall-clock ms of each fn, run in turn round after round (as `gpu_bench.timed_interleaved`),
+    every rank in step (a barrier before each run); the max over ranks."""
     for _ in range(warmup):
-        fn()
-    out = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        dist.barrier()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+        for fn, ts in zip(fns, times):
+            dist.barrier()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    ms = torch.tensor([statistics.median(ts) for ts in times], device=dev, dtype=torch.float64)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.tolist()
 
 
-def case(model: str, tokens: int, dispatcher: str, mesh, dev, iters: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    arch = get_arch(model, "full")
-    d, k = arch.dim, arch.top_k
-    n_experts = LOCAL_EXPERTS[model] * world
-    g = torch.Generator(device=dev).manual_seed(1000 + rank)
-    x = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    ids = torch.rand(tokens, n_experts, device=dev, generator=g).topk(k, dim=-1).indices
-    scores = torch.rand(tokens, k, device=dev, generator=g).requires_grad_(True)
-    counts = torch.bincount(ids.reshape(-1), minlength=n_experts)
-    disp = DISPATCHERS[dispatcher](num_experts=n_experts, top_k=k).build()
-    disp.wire_meshes(ep_mesh=mesh)
-    gy = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, generator=g)
+def fp8_twin(moe):
+    """The block with fp8 experts over the same parameters (two EP degrees x two dtypes of blocks must
+    fit on rank 0's GPU). Made before the EP mesh is wired: the copy does not reach the process group."""
+    return to_fp8(copy.deepcopy(moe, memo={id(p): p for p in moe.parameters()}))
+
+
+def dispatch_steps(disp, route, x_TD, gy_TD, mesh, dev):
+    """(dispatch+combine forward, forward+backward, raw all-to-all of the same rows there and back),
+    and the bytes that cross between ranks (max over ranks)."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    k = route.ids.size(-1)
+    ids = route.ids.reshape(-1, k)
+    x = x_TD.detach().requires_grad_(True)
+    scores = route.scores.reshape(-1, k).detach().requires_grad_(True)
 
     def fwd():
-        routed, _, meta = disp.dispatch(x, scores, ids, counts)
+        routed, _, meta = disp.dispatch(x, scores, ids, route.counts)
         return disp.combine(routed, meta, x)
+
+    def fwd_no_grad():
+        with torch.no_grad():
+            fwd()
 
     def fwd_bwd():
         x.grad = scores.grad = None
-        fwd().backward(gy)
+        fwd().backward(gy_TD)
 
-    # the same split sizes, raw
-    per_rank = counts.view(world, -1).sum(1)
+    per_rank = route.counts.view(world, -1).sum(1)
     in_splits = per_rank.tolist()
     out_counts = torch.empty_like(per_rank)
     dist.all_to_all_single(out_counts, per_rank)
     out_splits = out_counts.tolist()
-    send = torch.randn(sum(in_splits), d, device=dev, dtype=torch.bfloat16, generator=g)
+    d = x_TD.size(1)
+    send = torch.randn(sum(in_splits), d, device=dev, dtype=torch.bfloat16)
     recv = torch.empty(sum(out_splits), d, device=dev, dtype=torch.bfloat16)
     back = torch.empty_like(send)
 
@@ -96,56 +129,146 @@ def case(model: str, tokens: int, dispatcher: str, mesh, dev, iters: int) -> dic
         dist.all_to_all_single(recv, send, out_splits, in_splits)
         dist.all_to_all_single(back, recv, in_splits, out_splits)
 
-    with torch.no_grad():
-        fwd_ms = timed(fwd, iters, 2, dev)
-    fb_ms = timed(fwd_bwd, iters, 2, dev)
-    raw_ms = timed(raw, iters, 2, dev)
-    # bytes leaving this rank plus bytes arriving from others, both directions; max over ranks
+    # bytes leaving this rank plus bytes arriving from others, both directions
     cross = torch.tensor([(sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank]) * d * 2],
                          device=dev, dtype=torch.float64)
     dist.all_reduce(cross, op=dist.ReduceOp.MAX)
-    times = torch.tensor([fwd_ms, fb_ms, raw_ms], device=dev, dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    fwd_ms, fb_ms, raw_ms = times.tolist()
-    b = float(cross.item())
-    return {
-        "model": model, "tokens_per_rank": tokens, "dispatcher": dispatcher, "ranks": world, "experts": n_experts,
-        "hidden": d, "top_k": k,
-        "cross_rank_bytes_per_rank": int(b),
-        "dispatcher_fwd_ms": round(fwd_ms, 3), "dispatcher_fwd_gbps": round(b / fwd_ms / 1e6, 1),
-        "dispatcher_fwd_bwd_ms": round(fb_ms, 3), "dispatcher_fwd_bwd_gbps": round(2 * b / fb_ms / 1e6, 1),
-        "all_to_all_single_ms": round(raw_ms, 3), "all_to_all_single_gbps": round(b / raw_ms / 1e6, 1),
-        "dispatcher_fwd_over_all_to_all_single": round(raw_ms / fwd_ms, 3),
+    return (fwd_no_grad, fwd_bwd, raw), int(cross.item())
+
+
+def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -> dict:
+    """One model x tokens per rank x dispatcher: the blocks and the dispatch, timed in the same rounds.
+    `ep1`: rank 0's EP=1 blocks by dtype (empty on the other ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = LOCAL_EXPERTS[model]
+    ep2, arch = build_moe(model, dev, dispatcher=dispatcher, ranks=world, flavor=args.flavor)
+    blocks = {"bf16": ep2}
+    if not args.skip_fp8 and _fp8_allowed(dispatcher):
+        blocks["fp8"] = fp8_twin(ep2)
+    for m in blocks.values():
+        m.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    g = torch.Generator(device=dev).manual_seed(tokens * 1000 + rank)  # the same tokens for every dispatcher
+    x = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    gy = torch.randn(1, tokens, arch.dim, device=dev, dtype=torch.bfloat16, generator=g)
+    route = routing(ep2, x, g)
+    ep1_route = routing(ep1["bf16"], x, g) if ep1 else None
+
+    def noop():
+        return None
+
+    labels, fns = [], []
+    for dtype, m in blocks.items():
+        for replay in (False, True):
+            for ep, block, r in ((1, ep1.get(dtype), ep1_route), (world, m, route)):
+                labels.append((dtype, ep, replay))
+                if ep == 1 and block is None:  # ranks > 0: wait while rank 0 runs the EP=1 block
+                    fns.append(noop)
+                else:
+                    fns.append(block_step(block, x, gy, r.replay_ids, replay, requantise=dtype == "fp8"))
+    disp_fns, cross = dispatch_steps(ep2.routed_experts.token_dispatcher, route, x.detach()[0], gy[0], mesh, dev)
+    ms = timed_rounds([*fns, *disp_fns], args.iters, 2, dev)
+    block_ms, (fwd_ms, fb_ms, raw_ms) = ms[:len(fns)], ms[len(fns):]
+
+    ep1_arch = dataclasses.replace(arch, num_experts=local)  # build_moe's arch at ranks=1
+    flops = {1: block_flops(ep1_arch, tokens)["total"], world: block_flops(arch, tokens)["total"]}
+    rows = [{"dtype": dtype, "ep": ep, "replay": replay, "ms": round(t, 3),
+             "tflops_per_gpu": round(flops[ep] / t / 1e9, 1), "flops_per_gpu": flops[ep]}
+            for (dtype, ep, replay), t in zip(labels, block_ms)]
+    tf = {(r["dtype"], r["ep"], r["replay"]): flops[r["ep"]] / ms_ / 1e9 for r, ms_ in zip(rows, block_ms)}
+    ratios = {
+        "ep_over_ep1_per_gpu": {dt: round(tf[dt, world, False] / tf[dt, 1, False], 3) for dt in blocks},
+        "fp8_over_bf16": ({f"ep{ep}": round(tf["fp8", ep, False] / tf["bf16", ep, False], 3) for ep in (1, world)}
+                          if "fp8" in blocks else None),
+        "replay_ms_on_over_off": {f"{dt}_ep{ep}": round(tf[dt, ep, False] / tf[dt, ep, True], 4)
+                                  for dt in blocks for ep in (1, world)},
+        "dispatcher_over_all_to_all_single": round(raw_ms / fwd_ms, 3),
+        "dispatcher_fwd_bwd_over_all_to_all_single": round(2 * raw_ms / fb_ms, 3),
     }
+    return {
+        "model": model, "tokens_per_rank": tokens, "dispatcher": dispatcher, "ranks": world,
+        "experts": arch.num_experts, "local_experts": local, "flavor": args.flavor, "hidden": arch.dim,
+        "top_k": arch.top_k,
+        "blocks": rows,
+        "dispatch": {
+            "cross_rank_bytes_per_rank": cross,
+            "fwd_ms": round(fwd_ms, 3), "fwd_gbps": round(cross / fwd_ms / 1e6, 1),
+            "fwd_bwd_ms": round(fb_ms, 3), "fwd_bwd_gbps": round(2 * cross / fb_ms / 1e6, 1),
+            "all_to_all_single_ms": round(raw_ms, 3), "all_to_all_single_gbps": round(cross / raw_ms / 1e6, 1),
+        },
+        "ratios": ratios,
+    }
+
+
+def _fp8_allowed(dispatcher: str) -> bool:
+    try:
+        check_moe_options(dispatcher, fp8=True)
+    except ValueError:
+        return False
+    return True
+
+
+def summary(cases: list[dict]) -> list[dict]:
+    """Per model, tokens per rank and dtype: the dispatcher whose EP=N block (replay off) is fastest, and its ratios."""
+    best: dict[tuple, tuple[dict, dict]] = {}
+    for c in cases:
+        for r in c["blocks"]:
+            if r["ep"] == c["ranks"] and not r["replay"]:
+                key = (c["model"], c["tokens_per_rank"], r["dtype"])
+                if key not in best or r["ms"] < best[key][0]["ms"]:
+                    best[key] = (r, c)
+    out = []
+    for (model, tokens, dtype), (r, c) in best.items():
+        rat = c["ratios"]
+        out.append({
+            "model": model, "tokens_per_rank": tokens, "dtype": dtype, "best_dispatcher": c["dispatcher"],
+            "ep_ms": r["ms"], "ep_tflops_per_gpu": r["tflops_per_gpu"],
+            "ep_over_ep1_per_gpu": rat["ep_over_ep1_per_gpu"][dtype],
+            "dispatcher_over_all_to_all_single": rat["dispatcher_over_all_to_all_single"],
+            "fp8_over_bf16_ep": rat["fp8_over_bf16"][f"ep{c['ranks']}"] if dtype == "fp8" else None,
+            "replay_ms_on_over_off_ep": rat["replay_ms_on_over_off"][f"{dtype}_ep{c['ranks']}"],
+        })
+    return out
 
 
 def main() -> None:
     ap = moe_arg_parser(__doc__, iters=10)
     ap.add_argument("--dispatchers", nargs="+", choices=list(DISPATCHERS),
                     default=["lean", "torchtitan", *(["deepep"] if importlib.util.find_spec("deep_ep") else [])])
+    ap.add_argument("--skip-fp8", action="store_true", help="bf16 blocks only")
+    ap.add_argument("--flavor", default="full", help="the models' size (\"tiny\": a CPU smoke run)")
+    ap.set_defaults(out="benchmarks/results/moe_ep_h200.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = cuda_device() if cuda else torch.device("cpu")
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("ep",))
     set_spmd_backend("partial_dtensor")  # functional all_to_all_single on the EP mesh
-    cases = []
+    results = ResultsFile(Path(args.out))
+    res = {**run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"),
+           "backend": dist.get_backend(), "cases": [], "summary": []}
     for model in args.models:
-        for tokens in args.tokens:
-            for dispatcher in args.dispatchers:
-                c = case(model, tokens, dispatcher, mesh, dev, args.iters)
-                cases.append(c)
+        ep1 = {}
+        if rank == 0:  # the EP=1 block: rank 0's GPU, the same local experts, lean dispatcher
+            ep1["bf16"], _ = build_moe(model, dev, flavor=args.flavor)
+            if not args.skip_fp8:
+                ep1["fp8"] = fp8_twin(ep1["bf16"])
+        for dispatcher in args.dispatchers:
+            for tokens in args.tokens:
+                c = case(model, tokens, dispatcher, ep1, mesh, dev, args)
+                res["cases"].append(c)
+                res["summary"] = summary(res["cases"])
                 if rank == 0:
                     print(json.dumps(c), flush=True)
+                    results.update({"ep": res})
+                if cuda:
+                    torch.cuda.empty_cache()
+        del ep1
     if rank == 0:
-        ResultsFile(Path(args.out)).update({"ep": {
-            **run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"),
-            "backend": dist.get_backend(),
-            "cases": cases,
-        }})
+        for s in res["summary"]:
+            print(json.dumps(s), flush=True)
     dist.destroy_process_group()
 
 
