@@ -127,8 +127,17 @@ def expand_scale(scale_inv: torch.Tensor, shape: tuple[int, ...], block: tuple[i
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w_fp8.float() * scale_inv`` per block (the reference every checkpoint reader uses), cast to `dtype`."""
-    return (q.float() * expand_scale(scale_inv.float(), tuple(q.shape), block)).to(dtype)
+    """``w_fp8.float() * scale_inv`` per block (the reference every checkpoint reader uses), cast to `dtype`.
+
+    Block row by block row into the result, so that loading a checkpoint holds one full-size
+    float32 tensor per weight rather than three (the widened weight, the expanded scale, the product)."""
+    m, n = q.shape[-2:]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    col_scale = scale_inv.float().repeat_interleave(block[1], -1)[..., :n]  # [..., row blocks, n]
+    for i in range(col_scale.shape[-2]):
+        rows = slice(i * block[0], min(m, (i + 1) * block[0]))
+        torch.mul(q[..., rows, :].float(), col_scale[..., i : i + 1, :], out=out[..., rows, :])
+    return out.to(dtype)
 
 
 def check_scale(name: str, weight_shape: tuple[int, ...], scale_inv: torch.Tensor,
