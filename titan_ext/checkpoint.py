@@ -149,15 +149,21 @@ def read_weight(handle, name: str, tensors: dict[str, TensorInfo], quant: BlockF
 def iter_checkpoint(ckpt_dir: str | Path, names: Iterable[str] | None = None, dtype: torch.dtype = torch.float32
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor in `dtype`) for the checkpoint's weights (or `names`), shard by shard,
-    fp8 weights dequantized; each shard is closed before the next is opened."""
+    fp8 weights dequantized.
+
+    The shard is mapped anew for each tensor: pages read through a mapping stay resident
+    until it is closed, so one mapping per shard would hold a whole shard in memory by its
+    end, on top of the model being filled."""
     tensors = checkpoint_tensors(ckpt_dir)
     quant = checkpoint_quantization(ckpt_dir)
     wanted = set(logical_shapes(tensors, quant) if names is None else names)
     for f in sorted({tensors[n].file for n in wanted}):
         with safe_open(str(f), "pt") as h:
-            for name in h.keys():
-                if name in wanted and tensors[name].file == f:
-                    yield name, read_weight(h, name, tensors, quant, dtype)
+            in_shard = [name for name in h.keys() if name in wanted and tensors[name].file == f]
+        for name in in_shard:
+            with safe_open(str(f), "pt") as h:
+                weight = read_weight(h, name, tensors, quant, dtype)
+            yield name, weight
 
 
 def dequantized_copy(src: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
