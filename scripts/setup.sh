@@ -15,6 +15,23 @@ venv="$root/.venv"
 python="${MOERL_PYTHON:-/usr/bin/python3.11}"
 [ -x "$python" ] || python="$(command -v python3.11 || command -v python3)"
 
+# Debian libraries that mooncake-transfer-engine-non-cuda's binaries link against
+# (libibverbs and libnl even for its TCP transport). Checked on every run: it is
+# cheap, and a venv carried to a fresh machine would otherwise load without them.
+debs=(libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
+missing=()
+for deb in "${debs[@]}"; do
+    dpkg-query -W -f='${Status}' "$deb" 2>/dev/null | grep -q "ok installed" || missing+=("$deb")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "moerl: missing Debian packages ${missing[*]}: run 'apt-get install ${missing[*]}' as root" >&2
+        exit 1
+    fi
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
 stamp="$venv/.moerl-setup"
 want="$(cat requirements/lock.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
