@@ -75,6 +75,14 @@ class InferenceConfig:
         1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM", gt=0)
     enforce_eager: StrictBool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up)")
     request_timeout_s: StrictFloat = knob(120.0, "per-request timeout; a replica that times out is marked down", gt=0)
+    router: Literal["embedded", "llmd"] = knob(
+        "embedded", "who picks each request's replica: 'embedded' (router_ext's formula in this process) or 'llmd' "
+                    "(a running llm-d endpoint picker at llmd_address, asked over ext_proc as Envoy does)")
+    llmd_address: StrictStr = knob("127.0.0.1:9002", "host:port of the llm-d EPP's ext_proc gRPC port (router = 'llmd')",
+                                   pattern=r"^[^:\s]+:[0-9]{1,5}$")
+    llmd_retry_s: StrictFloat = knob(
+        120.0, "router = 'llmd': how long a request keeps asking again (with backoff) while the EPP answers 429, "
+               "i.e. every replica is paused", gt=0)
     cpus: CpuList = knob(
         "auto",
         "CPU cores of the managed replicas, e.g. '2-3' (split between replicas when there are enough); "

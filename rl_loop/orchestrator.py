@@ -41,6 +41,7 @@ from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
 from .replicas import Replica, checkpoint_context, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
+from .llmd import LlmdRouter
 from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
 from .tasks import get_task, group_samples, is_episodic
@@ -82,6 +83,8 @@ class Orchestrator:
         self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
         self.weight_sync = weight_sync
         self.placement = for_config(config)
+        inf = config.inference
+        self.router = LlmdRouter(inf.llmd_address, retry_for_s=inf.llmd_retry_s) if inf.router == "llmd" else embedded_pick
 
     # ------------------------------------------------------------------ set-up
 
@@ -153,7 +156,7 @@ class Orchestrator:
         counters = {"resent_groups": 0}
         t0 = time.perf_counter()
         if is_episodic(self.task):  # multi-turn tasks and verifiers environments play (and score) whole groups
-            ctx = RolloutContext(session, self.replicas, embedded_pick, model_name, tokenizer, c.max_tokens,
+            ctx = RolloutContext(session, self.replicas, self.router, model_name, tokenizer, c.max_tokens,
                                  c.temperature, self.cfg.inference.request_timeout_s, counters)
             seeds = [self.cfg.seed * 100003 + step * 1009 + i for i in range(len(prompts))]
             groups = await asyncio.gather(*(self.task.run_group(ctx, p, c.samples_per_prompt, f"{step}-{i}", seeds[i])
@@ -165,7 +168,7 @@ class Orchestrator:
         async def one(i, prompt):
             ids = tokenizer(prompt.text).input_ids
             completions, replica = await generate_group(
-                session, self.replicas, embedded_pick, model_name, ids, f"{step}-{i}", counters,
+                session, self.replicas, self.router, model_name, ids, f"{step}-{i}", counters,
                 n=c.samples_per_prompt, max_tokens=c.max_tokens, temperature=c.temperature,
                 seed=self.cfg.seed * 100003 + step * 1009 + i, timeout_s=self.cfg.inference.request_timeout_s,
             )
@@ -273,6 +276,7 @@ class Orchestrator:
                 os.sched_setaffinity(0, {c for cores in self.placement.replicas for c in cores})
             model_name = await asyncio.to_thread(served_model_name, self.replicas[0])
             k = self.cfg.rollout.max_off_policy_steps
+            inf_llmd = isinstance(self.router, LlmdRouter)
             async with aiohttp.ClientSession() as session:
                 last = self.cfg.train.steps
                 submitted: dict[int, tuple[Rollouts, list[Sample], dict[str, int]]] = {}
@@ -322,7 +326,10 @@ class Orchestrator:
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
                         "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},
                         **{f"total_{name}": v for name, v in self.counters.items()},
+                        **({"total_router_backoffs": self.router.backoffs} if inf_llmd else {}),
                     })
+            if inf_llmd:
+                await self.router.close()
             if self.trainer_proc is not None:
                 self.trainer_proc.wait(600)
         finally:

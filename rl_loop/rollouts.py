@@ -18,8 +18,9 @@ loss-mask 0; only sampled tokens are trained on.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -29,6 +30,7 @@ from vllm_ext.routing.record import decode_record_b64
 from .batch import Sample
 from .replicas import Replica
 from .report import log
+from .router import Route, as_router
 
 
 @dataclass
@@ -60,23 +62,35 @@ def parse_choice(choice: dict, routing_start: int = 0) -> Completion:
                       choice.get("finish_reason"), choice.get("routed_experts_error"))
 
 
-async def request_group(session: aiohttp.ClientSession, replica: Replica, model: str, prompt_ids: list[int], *,
-                        n: int, max_tokens: int, temperature: float, seed: int, timeout_s: float,
-                        routing_start: int = 0) -> list[Completion]:
-    """`n` completions of `prompt_ids` on `replica`; routing rows from position `routing_start` on."""
+def completion_body(model: str, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float, seed: int,
+                    routing_start: int = 0) -> dict:
+    """The `/v1/completions` request of a group: token ids in and out, logprobs, routing from `routing_start`."""
     body = {
         "model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens, "temperature": temperature,
         "logprobs": 0, "return_tokens_as_token_ids": True, "seed": seed, "ignore_eos": True,
     }
     if routing_start:
         body["routed_experts_prompt_start"] = routing_start
+    return body
+
+
+async def request_group(session: aiohttp.ClientSession, replica: Replica, model: str, prompt_ids: list[int], *,
+                        n: int, max_tokens: int, temperature: float, seed: int, timeout_s: float,
+                        routing_start: int = 0, route: Route | None = None) -> list[Completion]:
+    """`n` completions of `prompt_ids` on `replica`; routing rows from position `routing_start` on.
+    With `route`, the replica's answer is kept there for the router (the llm-d EPP hears how it ended)."""
+    body = completion_body(model, prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                           routing_start=routing_start)
     replica.in_flight += 1
     try:
         async with session.post(replica.base_url + "/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            raw = await resp.read()
+            if route is not None:
+                route.answered(resp.status, raw)
             if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-            data = await resp.json()
+                raise RuntimeError(f"HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
+            data = json.loads(raw)
     finally:
         replica.in_flight -= 1
     return [parse_choice(c, routing_start) for c in sorted(data["choices"], key=lambda c: c["index"])]
@@ -84,30 +98,35 @@ async def request_group(session: aiohttp.ClientSession, replica: Replica, model:
 
 async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica], pick, model: str,
                          prompt_ids: list[int], key: str, counters: dict, **kw) -> tuple[list[Completion], Replica]:
-    """Generate one group on the replica `pick(replicas, key)` chooses; on failure mark it down and re-send.
+    """Generate one group on the replica the router `pick` chooses; on failure mark it down and re-send.
 
-    A transport error is retried once on the same replica before it counts as dead: a pooled
-    keep-alive connection the server closed just as it was reused fails the same way, and
-    multi-turn rollouts (one request per sample and turn) reuse many of them.
+    `pick` is a `router.Router` (the llm-d EPP's client sees the request body) or a function
+    `(replicas, key) -> Replica` (the embedded router). A transport error is retried once on the
+    same replica before it counts as dead: a pooled keep-alive connection the server closed just
+    as it was reused fails the same way, and multi-turn rollouts (one request per sample and turn)
+    reuse many of them.
     """
+    router = as_router(pick)
+    body = completion_body(model, prompt_ids, **{k: v for k, v in kw.items() if k != "timeout_s"})
     tried: set[str] = set()
     while True:
         candidates = [r for r in replicas if r.up and r.name not in tried]
         if not candidates:
             raise GroupFailed(f"group {key}: every replica failed ({sorted(tried)})")
-        replica = pick(candidates, key)
-        for attempt in (1, 2):
-            try:
-                return await request_group(session, replica, model, prompt_ids, **kw), replica
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                # Unreachable or dead: take it out of rotation (an HTTP error answer propagates instead).
-                if attempt == 1 and not isinstance(exc, asyncio.TimeoutError) and replica.up:
-                    log(f"replica {replica.name}: {exc!r} on group {key}; retrying once")
-                    continue
-                log(f"replica {replica.name} failed on group {key} ({exc!r}): out of rotation, group re-sent")
-                replica.up = False
-                tried.add(replica.name)
-                counters["resent_groups"] = counters.get("resent_groups", 0) + 1
+        async with router.route(candidates, key, body) as route:
+            replica = route.replica
+            for attempt in (1, 2):
+                try:
+                    return await request_group(session, replica, model, prompt_ids, route=route, **kw), replica
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    # Unreachable or dead: take it out of rotation (an HTTP error answer propagates instead).
+                    if attempt == 1 and not isinstance(exc, asyncio.TimeoutError) and replica.up:
+                        log(f"replica {replica.name}: {exc!r} on group {key}; retrying once")
+                        continue
+                    log(f"replica {replica.name} failed on group {key} ({exc!r}): out of rotation, group re-sent")
+                    replica.up = False
+                    tried.add(replica.name)
+                    counters["resent_groups"] = counters.get("resent_groups", 0) + 1
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +217,7 @@ class RolloutContext:
 
     session: aiohttp.ClientSession
     replicas: list[Replica]
-    pick: Callable[[list[Replica], str], Replica]
+    pick: Any  # a router.Router, or the embedded router's (replicas, key) -> Replica
     model: str
     tokenizer: Any
     max_tokens: int

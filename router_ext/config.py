@@ -2,10 +2,20 @@
 
 ``moerl router-config --endpoints HOST:PORT[,...] --out DIR`` (entry point:
 :func:`main`) produces ``DIR/epp-config.yaml`` and ``DIR/endpoints.yaml`` for
-llm-d-router v0.10's standalone mode (no Kubernetes), to be started as::
+llm-d-router v0.10's standalone mode (no Kubernetes) and prints the command that
+starts the picker on them (:func:`epp_command`)::
 
-    moerl-epp --config-file DIR/epp-config.yaml --pool-name moerl \\
-        --secure-serving=false --grpc-port 9002
+    moerl-epp --config-file DIR/epp-config.yaml --pool-name moerl --pool-namespace default \
+        --secure-serving=false --grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 \
+        --enable-pprof=false --allow-experimental-plugins
+
+``--allow-experimental-plugins`` is required: both moerl plugins register as
+Alpha, and without it the picker exits 1 ("plugin 'paused-filter' has Alpha
+stability level"). ``--pool-namespace`` is given explicitly (llm-d otherwise
+silently uses ``default``). pprof is off. llm-d v0.10 has no bind-address flag:
+the gRPC, health and metrics ports listen on every interface, so on a shared
+host run the picker where only loopback reaches them (its own network namespace
+or a container publishing ``127.0.0.1:PORT`` only, or a host firewall).
 
 The profile is: ``moerl-paused-filter`` (a replica in a weight update is never
 a candidate), then ``moerl-rl-scorer`` alone (weight 1; it already folds in
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import shlex
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +42,8 @@ from typing import Iterable, Sequence
 
 from router_ext.scorer import ScorerParams
 
-__all__ = ["Endpoint", "build_epp_config", "build_endpoints_file", "main", "parse_endpoints", "to_yaml", "write"]
+__all__ = ["Endpoint", "EppPorts", "build_epp_config", "build_endpoints_file", "epp_command", "main", "parse_endpoints",
+           "to_yaml", "write"]
 
 POLICY_VERSION_METRIC = "moerl:policy_version"
 UPDATING_METRIC = "moerl:weight_update_in_progress"
@@ -151,6 +163,25 @@ def build_epp_config(
     }
 
 
+@dataclass(frozen=True)
+class EppPorts:
+    """The picker's three listening ports (llm-d's defaults)."""
+
+    grpc: int = 9002
+    health: int = 9003
+    metrics: int = 9090
+
+
+def epp_command(config_path: Path | str, *, binary: str = "moerl-epp", pool_name: str = "moerl",
+                pool_namespace: str = "default", ports: EppPorts = EppPorts()) -> list[str]:
+    """The command line that starts the picker in standalone mode on `config_path` (see the module doc)."""
+    return [
+        binary, "--config-file", str(config_path), "--pool-name", pool_name, "--pool-namespace", pool_namespace,
+        "--secure-serving=false", "--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health),
+        "--metrics-port", str(ports.metrics), "--enable-pprof=false", "--allow-experimental-plugins",
+    ]
+
+
 def _scalar(v) -> str:
     # JSON scalars are valid YAML flow scalars; strings are always quoted so
     # names like "on" or "8000" keep their type.
@@ -204,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy-version-metric", default=POLICY_VERSION_METRIC)
     ap.add_argument("--updating-metric", default=UPDATING_METRIC)
     ap.add_argument("--no-watch", action="store_true", help="do not reload endpoints.yaml on change")
+    ap.add_argument("--pool-namespace", default="default", help="the picker's --pool-namespace in the printed command")
     args = ap.parse_args(argv)
     params = ScorerParams.from_plugin_parameters(json.loads(args.scorer_params))
     cfg, eps = write(
@@ -212,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric,
     )
     print(f"wrote {cfg} and {eps}")
+    print("start the picker (router_ext/epp/picker/README.md builds moerl-epp):")
+    print("  " + " ".join(shlex.quote(a) for a in epp_command(cfg.resolve(), pool_namespace=args.pool_namespace)))
+    print("its ports listen on every interface (llm-d has no bind-address flag): keep them off other hosts' reach")
     return 0
 
 

@@ -123,7 +123,3 @@ require (
 
 // The formula lives in the parent module.
 replace github.com/moerl/moerl/router_ext/epp => ../
-
-// Pinned release, fetched by ./fetch-llmd.sh: the Go proxy here refuses this
-// module (403), so the source comes from a checkout (see README.md).
-replace github.com/llm-d/llm-d-router => ../../../.cache/llm-d-router@v0.10.0

@@ -212,8 +212,9 @@ func FilterFactory(name string, dec *json.Decoder, _ plugin.Handle) (plugin.Plug
 func (f *PausedFilter) TypedName() plugin.TypedName { return f.typedName }
 
 // Filter keeps endpoints not in a weight update. With every endpoint paused
-// it returns none, so the request fails fast (503) instead of hanging on a
-// paused replica; rl_loop retries after the swap.
+// it returns none, so the request fails fast instead of hanging on a paused
+// replica: llm-d answers 429 (ResourceExhausted, "failed to find target
+// endpoint"), and rl_loop's llm-d client backs off and asks again.
 func (f *PausedFilter) Filter(_ context.Context, _ *fwksched.InferenceRequest, eps []fwksched.Endpoint) []fwksched.Endpoint {
 	out := make([]fwksched.Endpoint, 0, len(eps))
 	for _, ep := range eps {
