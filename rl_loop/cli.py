@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands whose package owns a full argument parser of its own.
 DELEGATED = {
     "router-config": ("router_ext.config", "write an llm-d EndpointPickerConfig + file-discovery endpoints"),
+    "plan": ("rl_loop.plan.cli", "memory, communication and step time of a run at scale, from measured rates "
+                                 "(plan weights: the weight update to inference)"),
 }
 
 

@@ -1,0 +1,110 @@
+"""Predicted trainer step time from the rates measured on one H200 (and two for EP).
+
+Per sequence and rank: the attention layers at the measured DSA / dense MLA times (fitted as
+a*N + b*N^2 through the two measured lengths, split over CP ranks), the MoE blocks at the
+measured titan_ext block TFLOP/s, the dense FFNs and LM head at the measured dense matmul
+rate, one more forward under activation checkpointing, plus the EP all-to-all and CP gathers
+(on the critical path) and whatever FSDP traffic the compute does not hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .comm import CommVolume, sequences_per_rank
+from .layout import GPUS_PER_NODE, Layout, Workload
+from .rates import DSAPoint, Rate, Rates
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step on each trainer rank, by part; `rates` lists every rate used with its source."""
+
+    attention: float
+    moe: float
+    dense: float
+    recompute: float
+    ep_all_to_all: float
+    cp_gather: float
+    fsdp_exposed: float
+    sequences_per_rank: int
+    rates: dict[str, str]
+
+    @property
+    def total(self) -> float:
+        return (self.attention + self.moe + self.dense + self.recompute + self.ep_all_to_all + self.cp_gather
+                + self.fsdp_exposed)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of t(N) = a*N + b*N^2 through the first and last point."""
+    (n1, t1), (n2, t2) = points[0], points[-1]
+    b = (t2 / n2 - t1 / n1) / (n2 - n1)
+    return t1 / n1 - b * n1, b
+
+
+def _attention_flops(arch) -> tuple[float, float]:
+    """(per-token projection flops, per-token-pair core flops) of one MLA layer, forward."""
+    h, qk = arch.n_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    proj = 2 * (arch.dim * arch.q_lora_rank + arch.q_lora_rank * h * qk + arch.dim * (arch.kv_lora_rank + arch.qk_rope_head_dim)
+                + arch.kv_lora_rank * h * (arch.qk_nope_head_dim + arch.v_head_dim) + h * arch.v_head_dim * arch.dim)
+    return proj, 2 * h * (qk + arch.v_head_dim)
+
+
+def attention_seconds(arch, points: list[DSAPoint], seq_len: int, cp: int, glm5_arch) -> float:
+    """One attention layer's fwd+bwd on one of `cp` ranks sharing a `seq_len` sequence.
+
+    GLM-5: the measured DSA layer (linear sparse attention + quadratic indexer). Other MLA
+    models: the dense MLA attention measured at GLM-5's widths, its linear part scaled by
+    the projection flops and its quadratic part by the core attention flops of the model."""
+    if arch.has_indexer:
+        a, b = fit_quadratic([(p.tokens, p.ms.value) for p in points])
+    else:
+        a, b = fit_quadratic([(p.tokens, p.dense_ms.value) for p in points])
+        (proj, core), (proj_g, core_g) = _attention_flops(arch), _attention_flops(glm5_arch)
+        a, b = a * proj / proj_g, b * core / core_g
+    return (a * seq_len + b * seq_len**2) / cp / 1e3
+
+
+def moe_flops_per_token(arch) -> float:
+    """fwd+bwd flops of one MoE block per token: gate, top_k routed and the shared experts' SwiGLU."""
+    d, f = arch.dim, arch.moe_hidden_dim
+    return 3 * (2 * 3 * d * f * (arch.top_k + arch.num_shared_experts) + 2 * d * arch.num_experts)
+
+
+def link_gbps(group: int, nvlink: Rate, internode_gbps: float) -> float:
+    return nvlink.value if group <= GPUS_PER_NODE else min(nvlink.value, internode_gbps)
+
+
+def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: CommVolume, rates: Rates) -> StepTime:
+    tokens = work.seq_len // layout.cp
+    seqs = sequences_per_rank(layout, work)
+    points = rates.dsa_points()
+    moe_rate = rates.moe_block_tflops(work.model, layout.fp8, tokens)
+    dense_rate = rates.dense_tflops()
+    ep_rate = rates.ep_dispatch_gbps(work.model, tokens)
+    nvlink = rates.nvlink_collective_gbps(work.model, tokens)
+    attention = seqs * counts.n_layers * attention_seconds(arch, points, work.seq_len, layout.cp, glm5_arch)
+    moe = seqs * counts.n_moe_layers * tokens * moe_flops_per_token(arch) / (moe_rate.value * 1e12)
+    dense_flops = 3 * 2 * tokens * (counts.n_dense_layers * counts.dense_ffn_per_layer + counts.output)
+    dense = seqs * dense_flops / (dense_rate.value * 1e12)
+    recompute = 0.0 if layout.ac == "none" else (attention + moe + dense) / 3
+    compute = attention + moe + dense + recompute
+    ep_gbps = ep_rate.value if layout.ep <= GPUS_PER_NODE else min(ep_rate.value, work.internode_gbps)
+    ep = comm.ep_all_to_all / (ep_gbps * 1e9)
+    cp = comm.cp_gather / (link_gbps(layout.cp, nvlink, work.internode_gbps) * 1e9)
+    fsdp_gbps = link_gbps(layout.fsdp * layout.cp, nvlink, work.internode_gbps)
+    fsdp = (comm.fsdp_all_gather + comm.fsdp_reduce_scatter) / (fsdp_gbps * 1e9)
+    replicas = comm.replica_all_reduce / (work.internode_gbps * 1e9)
+    source = {
+        "moe_block_tflops": str(moe_rate), "dense_matmul_tflops": str(dense_rate),
+        "ep_dispatch_gbps": str(ep_rate), "nvlink_collective_gbps": str(nvlink),
+        "internode_gbps": f"{work.internode_gbps:g} GB/s  [--internode-gbps: assumed, no multi-node run here]",
+    }
+    for p in points:
+        source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
+    return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, ep_all_to_all=ep, cp_gather=cp,
+                    fsdp_exposed=max(0.0, fsdp - compute) + replicas, sequences_per_rank=seqs, rates=source)
