@@ -68,7 +68,7 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
 
 
 def rates_text(plan: Plan) -> str:
-    return "rates used:\n" + "\n".join(f"  {k}: {v}" for k, v in plan.time.rates.items())
+    return "rates of plan 1 (each with its file and key):\n" + "\n".join(f"  {k}: {v}" for k, v in plan.time.rates.items())
 
 
 def weights_text(setup: WeightSyncSetup, p: WeightSyncPlan) -> str:
