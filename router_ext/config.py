@@ -36,13 +36,13 @@ import ipaddress
 import json
 import shlex
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from router_ext.scorer import ScorerParams
 
-__all__ = ["Endpoint", "EppPorts", "build_epp_config", "build_endpoints_file", "epp_command", "main", "parse_endpoints",
+__all__ = ["Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file", "epp_command", "main", "parse_endpoints",
            "to_yaml", "write"]
 
 POLICY_VERSION_METRIC = "moerl:policy_version"
@@ -99,6 +99,30 @@ def build_endpoints_file(endpoints: Sequence[Endpoint], engine: str = "vllm") ->
     }
 
 
+@dataclass(frozen=True)
+class KvEvents:
+    """Prefix matching from the replicas' own KV-cache events instead of llm-d's approximation.
+
+    The picker binds ``endpoint`` (a ZMQ SUB socket; keep it on loopback or a private
+    network) and every replica publishes to it (:func:`vllm_kv_events_config`). Its
+    ``precise-prefix-cache-producer`` indexes the blocks each replica reports, keyed by
+    the replica's ``address:port`` carried in the event topic, and llm-d's
+    ``prefix-cache-scorer`` scores the match next to ``moerl-rl-scorer``, whose own
+    prefix weight moves to that scorer (``w_prefix`` becomes its profile weight).
+    """
+
+    endpoint: str = "tcp://127.0.0.1:5557"
+    block_size_tokens: int = 32  # the replicas' --block-size (moerl's replicas use 32)
+
+
+def vllm_kv_events_config(events: KvEvents, replica: Endpoint, model: str) -> dict:
+    """vLLM's ``--kv-events-config`` for `replica`: publish to the picker, topic ``kv@<address:port>@<model>``.
+
+    A concrete ``tcp://host:port`` makes vLLM's publisher connect, so replicas never listen for it."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events.endpoint,
+            "topic": f"kv@{replica.address}:{replica.port}@{model}"}
+
+
 def build_epp_config(
     endpoints_path: str,
     params: ScorerParams = ScorerParams(),
@@ -108,10 +132,15 @@ def build_epp_config(
     policy_version_metric: str = POLICY_VERSION_METRIC,
     updating_metric: str = UPDATING_METRIC,
     affinity_headers: Sequence[str] = (AFFINITY_HEADER,),
+    kv_events: KvEvents | None = None,
 ) -> dict:
     """The ``EndpointPickerConfig`` (llm-d.ai/v1alpha1) as a plain dict."""
+    prefix_plugins, precise_scorer = _prefix_plugins(block_size_tokens, kv_events)
+    prefix_weight = params.w_prefix
+    if kv_events is not None:
+        params = replace(params, w_prefix=0.0)
     scorer_params = params.to_plugin_parameters() | {
-        "prefixMatchInfoProducerName": "prefix-producer",
+        "prefixMatchInfoProducerName": prefix_plugins[-1]["name"],
         "policyVersionAttribute": POLICY_VERSION_ATTRIBUTE,
         "updatingAttribute": UPDATING_ATTRIBUTE,
         "affinityHeaders": list(affinity_headers),
@@ -137,11 +166,11 @@ def build_epp_config(
                     ],
                 }],
             }},
-            {"name": "prefix-producer", "type": "approx-prefix-cache-producer",
-             "parameters": {"blockSizeTokens": block_size_tokens, "autoTune": False}},
+            *prefix_plugins,
             {"name": "paused-filter", "type": "moerl-paused-filter",
              "parameters": {"updatingAttribute": UPDATING_ATTRIBUTE}},
             {"name": "rl-scorer", "type": "moerl-rl-scorer", "parameters": scorer_params},
+            *([precise_scorer] if precise_scorer else []),
             {"name": "picker", "type": "max-score-picker"},
             {"name": "profile-handler", "type": "single-profile-handler"},
         ],
@@ -149,7 +178,10 @@ def build_epp_config(
             "name": "default",
             "plugins": [
                 {"pluginRef": "paused-filter"},
-                {"pluginRef": "rl-scorer", "weight": 1},
+                # moerl-rl-scorer hands llm-d its total divided by the weights' sum; weighting it by
+                # that sum restores the formula's scale next to the prefix-cache-scorer's w_prefix
+                {"pluginRef": "rl-scorer", "weight": params.weight_sum if precise_scorer else 1},
+                *([{"pluginRef": precise_scorer["name"], "weight": prefix_weight}] if precise_scorer else []),
                 {"pluginRef": "picker"},
             ],
         }],
@@ -180,6 +212,24 @@ def epp_command(config_path: Path | str, *, binary: str = "moerl-epp", pool_name
         "--secure-serving=false", "--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health),
         "--metrics-port", str(ports.metrics), "--enable-pprof=false", "--allow-experimental-plugins",
     ]
+
+
+def _prefix_plugins(block_size_tokens: int, kv_events: KvEvents | None) -> tuple[list[dict], dict | None]:
+    """The prefix-match producers (the last one feeds the scorers), and llm-d's prefix scorer with KV events."""
+    if kv_events is None:
+        return [{"name": "prefix-producer", "type": "approx-prefix-cache-producer",
+                  "parameters": {"blockSizeTokens": block_size_tokens, "autoTune": False}}], None
+    producers = [
+        # moerl sends token ids; the default `estimate` backend passes them through unchanged
+        {"name": "token-producer", "type": "token-producer"},
+        {"name": "precise-prefix", "type": "precise-prefix-cache-producer", "parameters": {
+            "tokenProcessorConfig": {"blockSizeTokens": kv_events.block_size_tokens},
+            "kvEventsConfig": {"zmqEndpoint": kv_events.endpoint, "topicFilter": "kv@", "discoverPods": False},
+        }},
+    ]
+    scorer = {"name": "precise-prefix-scorer", "type": "prefix-cache-scorer",
+              "parameters": {"prefixMatchInfoProducerName": "precise-prefix"}}
+    return producers, scorer
 
 
 def _scalar(v) -> str:
@@ -236,17 +286,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--updating-metric", default=UPDATING_METRIC)
     ap.add_argument("--no-watch", action="store_true", help="do not reload endpoints.yaml on change")
     ap.add_argument("--pool-namespace", default="default", help="the picker's --pool-namespace in the printed command")
+    ap.add_argument("--kv-events", metavar="tcp://HOST:PORT",
+                    help="score prefixes from the replicas' KV-cache events, received on this ZMQ address "
+                         "(llm-d's precise-prefix-cache-producer + prefix-cache-scorer); prints each replica's "
+                         "vLLM --kv-events-config")
+    ap.add_argument("--model", help="with --kv-events: the served model name the replicas' requests carry")
     args = ap.parse_args(argv)
     params = ScorerParams.from_plugin_parameters(json.loads(args.scorer_params))
+    if args.kv_events and not args.model:
+        ap.error("--kv-events needs --model (the served model name: it is part of each replica's event topic)")
+    events = KvEvents(args.kv_events) if args.kv_events else None
+    endpoints = parse_endpoints(args.endpoints)
     cfg, eps = write(
-        parse_endpoints(args.endpoints), args.out, params,
+        endpoints, args.out, params,
         block_size_tokens=args.block_size_tokens, watch_file=not args.no_watch,
-        policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric,
+        policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric, kv_events=events,
     )
     print(f"wrote {cfg} and {eps}")
     print("start the picker (router_ext/epp/picker/README.md builds moerl-epp):")
     print("  " + " ".join(shlex.quote(a) for a in epp_command(cfg.resolve(), pool_namespace=args.pool_namespace)))
     print("its ports listen on every interface (llm-d has no bind-address flag): keep them off other hosts' reach")
+    for e in endpoints if events else ():
+        print(f"replica {e.name}: vllm ... --kv-events-config "
+              + shlex.quote(json.dumps(vllm_kv_events_config(events, e, args.model))))
     return 0
 
 

@@ -54,3 +54,31 @@ def test_main_writes_yaml_llm_d_can_read(tmp_path):
 def test_to_yaml_round_trips_awkward_scalars():
     doc = {"a": ["on", "8000", 1.5, True, None, {"b": {}}], "c": {"d": [], "e": "x: y"}}
     assert yaml.safe_load(config.to_yaml(doc)) == doc
+
+
+def test_kv_events_put_llm_d_precise_prefix_scorer_next_to_moerls(tmp_path, capsys):
+    rc = config.main(["--endpoints", "r0=127.0.0.1:18001,r1=127.0.0.1:18002", "--out", str(tmp_path),
+                      "--kv-events", "tcp://127.0.0.1:5557", "--model", "/m/tiny"])
+    assert rc == 0
+    cfg = yaml.safe_load((tmp_path / "epp-config.yaml").read_text())
+    plugins = {p["name"]: p for p in cfg["plugins"]}
+    assert "approx-prefix-cache-producer" not in {p["type"] for p in cfg["plugins"]}
+    producer = plugins["precise-prefix"]
+    assert producer["type"] == "precise-prefix-cache-producer"
+    assert producer["parameters"]["kvEventsConfig"] == {"zmqEndpoint": "tcp://127.0.0.1:5557", "topicFilter": "kv@",
+                                                        "discoverPods": False}
+    assert producer["parameters"]["tokenProcessorConfig"] == {"blockSizeTokens": 32}
+    profile = {p["pluginRef"]: p.get("weight") for p in cfg["schedulingProfiles"][0]["plugins"]}
+    defaults = ScorerParams()
+    # the formula's scale: rl-scorer's normalised total x its weights' sum (prefix moved out) + w_prefix x match
+    assert profile == {"paused-filter": None, "rl-scorer": defaults.weight_sum - defaults.w_prefix,
+                       "precise-prefix-scorer": defaults.w_prefix, "picker": None}
+    assert plugins["rl-scorer"]["parameters"]["weights"]["prefix"] == 0
+    assert plugins["precise-prefix-scorer"]["parameters"]["prefixMatchInfoProducerName"] == "precise-prefix"
+    out = capsys.readouterr().out
+    assert "--allow-experimental-plugins" in out and "--enable-pprof=false" in out
+    topic = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
+             "topic": "kv@127.0.0.1:18002@/m/tiny"}
+    assert f"replica r1: vllm ... --kv-events-config '{json.dumps(topic)}'" in out
+    with pytest.raises(SystemExit):
+        config.main(["--endpoints", "r0=127.0.0.1:1", "--out", str(tmp_path), "--kv-events", "tcp://127.0.0.1:5557"])
