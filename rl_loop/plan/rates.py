@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MOE_BLOCK = "moe_block_h200.json"
 WEIGHT_SYNC = "weight_sync.json"
 CP = "cp_h200.json"
+TRAIN_STEP = "train_step_h200.json"
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,16 @@ class Rates:
         all-gather / reduce-scatter and the CP gathers (no all-gather benchmark exists here)."""
         i, c = self._ep_case(model, tokens)
         return Rate(c["all_to_all_single_gbps"], "GB/s", f"{MOE_BLOCK}: ep.cases[{i}].all_to_all_single_gbps")
+
+    def train_step(self, fp8: bool) -> tuple[str, str, int, Rate]:
+        """(model, flavor, tokens per step, measured tokens/s) of benchmarks.train_step's run in
+        fp8 or bf16: a whole TorchTitan training step on one H200."""
+        d = self.file(TRAIN_STEP)
+        name = "fp8" if fp8 else "bf16"
+        run = d["runs"][name]
+        model = re.search(r"--model (\S+)", run["command"]).group(1)
+        return (model, d["model"]["flavor"], d["model"]["tokens_per_step"],
+                Rate(run["tps_median"], "tokens/s", f"{TRAIN_STEP}: runs.{name}.tps_median"))
 
     def weight_sync_runs(self) -> list[dict]:
         """weight_sync.json's timed runs, each with its key."""

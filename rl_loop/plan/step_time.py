@@ -4,7 +4,11 @@ Per sequence and rank: the attention layers at the measured DSA / dense MLA time
 a*N + b*N^2 through the two measured lengths, split over CP ranks), the MoE blocks at the
 measured titan_ext block TFLOP/s, the dense FFNs and LM head at the measured dense matmul
 rate, one more forward under activation checkpointing, plus the EP all-to-all and CP gathers
-(on the critical path) and whatever FSDP traffic the compute does not hide.
+(on the critical path) and whatever FSDP traffic the compute does not hide. What these parts
+leave out (norms, residual adds, the router's top-k, the loss, the optimizer step, framework
+time) is calibrated on a whole training step measured on one H200 (benchmarks.train_step): the
+measured step time minus the same parts predicted for that step, per token and layer, added
+per local token and layer.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from .comm import CommVolume, sequences_per_rank
 from .layout import GPUS_PER_NODE, Layout, Workload
+from .model import load_arch, param_counts
 from .rates import DSAPoint, Rate, Rates
 
 
@@ -24,6 +29,7 @@ class StepTime:
     moe: float
     dense: float
     recompute: float
+    unmodelled: float
     ep_all_to_all: float
     cp_gather: float
     fsdp_exposed: float
@@ -32,8 +38,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.attention + self.moe + self.dense + self.recompute + self.ep_all_to_all + self.cp_gather
-                + self.fsdp_exposed)
+        return (self.attention + self.moe + self.dense + self.recompute + self.unmodelled + self.ep_all_to_all
+                + self.cp_gather + self.fsdp_exposed)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -75,6 +81,31 @@ def moe_flops_per_token(arch) -> float:
     return 3 * (2 * 3 * d * f * (arch.top_k + arch.num_shared_experts) + 2 * d * arch.num_experts)
 
 
+def compute_parts(arch, glm5_arch, counts, model: str, fp8: bool, seq_len: int, cp: int, seqs: int,
+                  rates: Rates) -> tuple[float, float, float, dict[str, Rate]]:
+    """(attention, MoE, dense + LM head) seconds of `seqs` sequences on one rank, and the rates used."""
+    tokens = seq_len // cp
+    moe_rate = rates.moe_block_tflops(model, fp8, tokens)
+    dense_rate = rates.dense_tflops()
+    attention = seqs * counts.n_layers * attention_seconds(arch, rates.dsa_points(), seq_len, cp, glm5_arch)
+    moe = seqs * counts.n_moe_layers * tokens * moe_flops_per_token(arch) / (moe_rate.value * 1e12)
+    dense_flops = 3 * 2 * tokens * (counts.n_dense_layers * counts.dense_ffn_per_layer + counts.output)
+    dense = seqs * dense_flops / (dense_rate.value * 1e12)
+    return attention, moe, dense, {"moe_block_tflops": moe_rate, "dense_matmul_tflops": dense_rate}
+
+
+def unmodelled_per_token_layer(glm5_arch, fp8: bool, rates: Rates) -> Rate:
+    """Seconds per token and layer that a measured whole training step took beyond its predicted parts."""
+    model, flavor, tokens, tps = rates.train_step(fp8)
+    arch = load_arch(model, flavor)
+    counts = param_counts(arch)
+    parts = compute_parts(arch, glm5_arch, counts, model, fp8, tokens, 1, 1, rates)[:3]
+    measured = tokens / tps.value
+    return Rate((measured - sum(parts)) / (tokens * counts.n_layers), "s per token-layer",
+                f"{tps.source} ({model} {flavor}, {tokens} tokens, {tps.value:g} tokens/s = {measured:.3f} s "
+                f"against {sum(parts):.3f} s predicted)")
+
+
 def link_gbps(group: int, nvlink: Rate, internode_gbps: float) -> float:
     return nvlink.value if group <= GPUS_PER_NODE else min(nvlink.value, internode_gbps)
 
@@ -82,17 +113,14 @@ def link_gbps(group: int, nvlink: Rate, internode_gbps: float) -> float:
 def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: CommVolume, rates: Rates) -> StepTime:
     tokens = work.seq_len // layout.cp
     seqs = sequences_per_rank(layout, work)
-    points = rates.dsa_points()
-    moe_rate = rates.moe_block_tflops(work.model, layout.fp8, tokens)
-    dense_rate = rates.dense_tflops()
+    attention, moe, dense, used = compute_parts(arch, glm5_arch, counts, work.model, layout.fp8, work.seq_len,
+                                                layout.cp, seqs, rates)
     ep_rate = rates.ep_dispatch_gbps(work.model, tokens)
     nvlink = rates.nvlink_collective_gbps(work.model, tokens)
-    attention = seqs * counts.n_layers * attention_seconds(arch, points, work.seq_len, layout.cp, glm5_arch)
-    moe = seqs * counts.n_moe_layers * tokens * moe_flops_per_token(arch) / (moe_rate.value * 1e12)
-    dense_flops = 3 * 2 * tokens * (counts.n_dense_layers * counts.dense_ffn_per_layer + counts.output)
-    dense = seqs * dense_flops / (dense_rate.value * 1e12)
+    overhead = unmodelled_per_token_layer(glm5_arch, layout.fp8, rates)
+    unmodelled = seqs * tokens * counts.n_layers * overhead.value
     recompute = 0.0 if layout.ac == "none" else (attention + moe + dense) / 3
-    compute = attention + moe + dense + recompute
+    compute = attention + moe + dense + recompute + unmodelled
     ep_gbps = ep_rate.value if layout.ep <= GPUS_PER_NODE else min(ep_rate.value, work.internode_gbps)
     ep = comm.ep_all_to_all / (ep_gbps * 1e9)
     cp = comm.cp_gather / (link_gbps(layout.cp, nvlink, work.internode_gbps) * 1e9)
@@ -100,11 +128,11 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     fsdp = (comm.fsdp_all_gather + comm.fsdp_reduce_scatter) / (fsdp_gbps * 1e9)
     replicas = comm.replica_all_reduce / (work.internode_gbps * 1e9)
     source = {
-        "moe_block_tflops": str(moe_rate), "dense_matmul_tflops": str(dense_rate),
+        **{k: str(v) for k, v in used.items()}, "unmodelled_per_token_layer": str(overhead),
         "ep_dispatch_gbps": str(ep_rate), "nvlink_collective_gbps": str(nvlink),
         "internode_gbps": f"{work.internode_gbps:g} GB/s  [--internode-gbps: assumed, no multi-node run here]",
     }
-    for p in points:
+    for p in rates.dsa_points():
         source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
-    return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, ep_all_to_all=ep, cp_gather=cp,
-                    fsdp_exposed=max(0.0, fsdp - compute) + replicas, sequences_per_rank=seqs, rates=source)
+    return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, unmodelled=unmodelled,
+                    ep_all_to_all=ep, cp_gather=cp, fsdp_exposed=max(0.0, fsdp - compute) + replicas, sequences_per_rank=seqs, rates=source)

@@ -148,7 +148,8 @@ def test_moerl_plan_glm5_131k_on_128_gpus_finds_prime_rl_layout_or_better():
     result = json.loads(out.stdout)
     best = result["plans"][0]
     assert best["fits"] and best["memory_bytes"]["total"] <= 141e9 and best["step_time_s"]["total"] > 0
-    assert all(r.startswith(("moe_block", "dense", "ep_", "nvlink", "internode", "attention")) for r in result["rates"])
+    for name, rate in result["rates"].items():  # every rate names its results file and key (or the flag)
+        assert ".json: " in rate or name == "internode_gbps", (name, rate)
     work = Workload(model="glm5", seq_len=131072, trainer_gpus=128)
     prime = make_plan(PRIME_RL, work, RATES)
     layout = best["layout"]
