@@ -12,7 +12,7 @@ from .model import MODELS, load_arch, param_counts
 from .rates import RESULTS_DIR, Rates
 from .report import plan_dict, plan_text, rates_text, weights_text
 from .search import make_plan, search
-from .weights import BYTES_PER_PARAM, WeightSyncSetup, plan_weight_sync
+from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, plan_weight_sync
 
 
 def _count(text: str) -> int:
@@ -28,7 +28,6 @@ def _count(text: str) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, required=True, help="titan_ext model (full size)")
     p.add_argument("--trainer-gpus", type=_count, required=True, metavar="G", help="trainer H200s")
-    p.add_argument("--inference-gpus", type=int, default=0, metavar="I", help="inference H200s (default %(default)s)")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR",
                    help="where the measured rates are read (default: the repository's benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
@@ -42,6 +41,8 @@ def train_parser() -> argparse.ArgumentParser:
         "weight update to inference.")
     _common(p)
     p.add_argument("--seq-len", type=_count, required=True, metavar="N", help="tokens per packed training sequence")
+    p.add_argument("--inference-gpus", type=_count, metavar="I",
+                   help="inference H200s, for the tokens/s each must generate (default: not given)")
     p.add_argument("--batch", type=_count, default=256, help="samples per step (default %(default)s)")
     p.add_argument("--sample-tokens", type=int, default=0, metavar="N",
                    help="mean tokens per sample (default: --seq-len, every sample fills a sequence)")
@@ -68,6 +69,7 @@ def weights_parser() -> argparse.ArgumentParser:
         prog="moerl plan weights", description="Bytes per link and predicted time of one weight update from the "
         "trainer's shards to every inference replica (sharded send, no gather).")
     _common(p)
+    p.add_argument("--inference-gpus", type=_count, required=True, metavar="I", help="inference H200s")
     p.add_argument("--ep", type=_count, default=1, help="trainer expert-parallel degree (default %(default)s)")
     p.add_argument("--gpus-per-replica", type=_count, default=8, help="GPUs of one vLLM replica (default %(default)s)")
     p.add_argument("--trainer-link-gbps", type=float, default=50.0,
@@ -82,7 +84,7 @@ def weights_parser() -> argparse.ArgumentParser:
 def run_train(argv: list[str]) -> int:
     a = train_parser().parse_args(argv)
     rates = Rates(a.results)
-    work = Workload(model=a.model, seq_len=a.seq_len, trainer_gpus=a.trainer_gpus, inference_gpus=a.inference_gpus,
+    work = Workload(model=a.model, seq_len=a.seq_len, trainer_gpus=a.trainer_gpus, inference_gpus=a.inference_gpus or 0,
                     batch=a.batch, sample_tokens=a.sample_tokens, loss_chunk=a.loss_chunk,
                     gpu_bytes=a.gpu_gb * 1e9, internode_gbps=a.internode_gbps)
     num_experts = load_arch(a.model).num_experts
@@ -128,11 +130,14 @@ def run_weights(argv: list[str]) -> int:
                             replicas=a.inference_gpus // a.gpus_per_replica, gpus_per_replica=a.gpus_per_replica,
                             trainer_link_gbps=a.trainer_link_gbps, inference_link_gbps=a.inference_link_gbps,
                             dtype=a.dtype)
-    plan = plan_weight_sync(setup, Rates(a.results))
+    rates = Rates(a.results)
+    plan, lanes = plan_weight_sync(setup, rates), lane_rates(rates)
     if a.json:
-        print(json.dumps({"setup": vars(setup) | {"ep": a.ep}, "plan": plan.to_dict()}, indent=2))
+        print(json.dumps({"setup": vars(setup) | {"ep": a.ep}, "plan": plan.to_dict(),
+                          "measured_lanes": {k: {"gbps": v.value, "source": v.source} for k, v in lanes.items()}},
+                         indent=2))
     else:
-        print(weights_text(setup, plan))
+        print(weights_text(setup, plan, lanes))
     return 0
 
 

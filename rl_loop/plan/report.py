@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 from .layout import Workload
 from .memory import LayerMemory
+from .rates import Rate
 from .search import Plan
 from .weights import WeightSyncPlan, WeightSyncSetup
 
@@ -71,7 +72,7 @@ def rates_text(plan: Plan) -> str:
     return "rates of plan 1 (each with its file and key):\n" + "\n".join(f"  {k}: {v}" for k, v in plan.time.rates.items())
 
 
-def weights_text(setup: WeightSyncSetup, p: WeightSyncPlan) -> str:
+def weights_text(setup: WeightSyncSetup, p: WeightSyncPlan, lanes: dict[str, Rate]) -> str:
     return "\n".join([
         f"{setup.params / 1e9:.0f}B parameters in {setup.dtype}: {p.bytes_per_version / GB:.0f} GB per version, "
         f"{setup.trainer_gpus} trainer GPUs -> {setup.replicas} replicas x {setup.gpus_per_replica} GPUs",
@@ -81,4 +82,6 @@ def weights_text(setup: WeightSyncSetup, p: WeightSyncPlan) -> str:
         f"{p.inference_gpu_sends / GB:.2f} GB at {setup.inference_link_gbps:g} GB/s",
         f"  predicted update: transfer {p.transfer_s:.2f} s + pause-to-resume {p.pause_s.value:.2f} s "
         f"[{p.pause_s.source}] = {p.total_s:.2f} s",
+        "  moerl's lanes as measured on one host, one sender and one receiver (for links of that kind):",
+        *(f"    {lane}: {rate}" for lane, rate in lanes.items()),
     ])
