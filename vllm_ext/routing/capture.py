@@ -35,7 +35,8 @@ from .store import RoutingStore
 
 logger = logging.getLogger("vllm_ext.routing")
 
-__all__ = ["RoutingCapture", "WorkerRouting", "bind_runner", "make_scheduler_connector", "capture_enabled", "state"]
+__all__ = ["RoutingCapture", "WorkerRouting", "bind_runner", "make_scheduler_connector", "capture_enabled", "state",
+           "attach_pool"]
 
 
 def capture_enabled() -> bool:
@@ -139,6 +140,8 @@ class WorkerRouting:
         if swept:
             logger.info("moerl routing: removed %d routing segments of servers no longer running", swept)
         self.store.reaper.capturing(self.store.token)
+        if state.pool is not None:
+            state.pool.attach(self)
 
     def begin_step(self, meta: Any, scheduler_output: Any) -> None:
         """Apply the scheduler's metadata for this step and open new requests."""
@@ -198,9 +201,18 @@ class _State:
     def __init__(self) -> None:
         self.worker: WorkerRouting | None = None
         self.failed: str | None = None
+        self.pool: Any = None  # vllm_ext.kv_pool.RoutingPool, when KV is pooled
 
 
 state = _State()
+
+
+def attach_pool(pool: Any) -> None:
+    """Route the blocks of a shared KV pool through this process's capture (the KV connector
+    may be built before or after the model is loaded and the capture bound)."""
+    state.pool = pool
+    if state.worker is not None:
+        pool.attach(state.worker)
 
 
 def bind_runner(runner: Any) -> WorkerRouting | None:

@@ -12,7 +12,10 @@ Two structures, both plain and testable without vLLM:
   never sees them; their rows come from the block the earlier request
   published under the same hash (equal hash = equal tokens and prefix, so
   equal routing), exactly like vLLM's own store. They are filled in at the
-  request's first write, before any output of it can finish.
+  request's first write, before any output of it can finish. With a shared
+  KV pool (``vllm_ext.kv_pool``), each newly published block is also handed to
+  ``on_publish`` (which pools it next to its KV), and blocks loaded from the
+  pool are added with ``add_block`` before the request that hit them runs.
 
 The first position handed over follows vLLM's routed-experts contract: the
 requested prompt position (``routed_experts_prompt_start``), up to the last
@@ -21,8 +24,8 @@ token fed forward (the last sampled token never is).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +61,9 @@ class RoutingStore:
         self._lost: set[str] = set()  # scheduled requests that have no segment to write (see `lose`)
         self._pending_hashes: dict[str, list[bytes]] = {}
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # block hash -> its rows
+        # (block hash, block index, its rows) of every newly published block
+        self.on_publish: Callable[[bytes, int, bytes], None] | None = None
+        self._loaded: deque[tuple[bytes, bytes]] = deque()  # pooled blocks not yet in _blocks (any thread adds)
 
     def open(self, req_id: str, start: int, capacity: int) -> None:
         """A newly scheduled request: rows from position `start` on are handed over, at most
@@ -175,15 +181,18 @@ class RoutingStore:
             if h in self._blocks:
                 self._blocks.move_to_end(h)
             else:
-                self._blocks[h] = mm[ra + lo * rb : ra + hi * rb]
+                rows = self._blocks[h] = mm[ra + lo * rb : ra + hi * rb]
                 if len(self._blocks) > self.max_blocks:
                     self._blocks.popitem(last=False)
+                if self.on_publish is not None:
+                    self.on_publish(h, i, rows)
             i += 1
         st.published_blocks = i
 
     def _fill_from_blocks(self, st: _RequestRows, end: int) -> None:
         """Fill unwritten positions below `end` from blocks stored under the request's hashes
         (positions with no stored block stay unwritten: the API server reports them)."""
+        self._take_loaded()
         bs = self.block_size
         seg = st.seg
         for blk in range(min(-(-end // bs), len(st.block_hashes))):
@@ -196,6 +205,27 @@ class RoutingStore:
             need = seg.written[lo:hi] == 0
             seg.rows[lo:hi][need] = rows[: hi - lo][need]
             seg.written[lo:hi] = 1
+
+    def has_block(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def add_block(self, block_hash: bytes, rows: np.ndarray) -> None:
+        """Rows ``[block_size, L, K]`` of a block computed elsewhere (loaded from a shared pool).
+
+        Safe from any thread (the pool's lookups run on their own): the block is queued and
+        joins the store in the step thread, before the next request's first write."""
+        if rows.shape != (self.block_size, self.num_layers, self.top_k) or rows.dtype != self.dtype:
+            raise ValueError(f"block rows {rows.shape} {rows.dtype} do not match "
+                             f"[{self.block_size}, {self.num_layers}, {self.top_k}] {self.dtype}")
+        self._loaded.append((block_hash, np.ascontiguousarray(rows).tobytes()))
+
+    def _take_loaded(self) -> None:
+        while self._loaded:
+            h, rows = self._loaded.popleft()
+            self._blocks[h] = rows
+            self._blocks.move_to_end(h)
+            if len(self._blocks) > self.max_blocks:
+                self._blocks.popitem(last=False)
 
     def finish(self, req_id: str) -> None:
         """The request ended: publish its last blocks and let go of its segment
@@ -215,6 +245,7 @@ class RoutingStore:
         """Forget every block (after a prefix-cache reset or a weight update:
         new weights route differently, so old blocks must not be reused)."""
         self._blocks.clear()
+        self._loaded.clear()
         for st in self._requests.values():
             st.published_blocks = 0
 
