@@ -92,7 +92,8 @@ def run_train(argv: list[str]) -> int:
     check_layout(Layout(cp=cp, ep=a.ep or 1, fsdp=a.fsdp or a.trainer_gpus // cp, fp8=bool(a.fp8), ac=a.ac or "none"),
                  work, num_experts)
     if a.cp and a.ep and a.fp8 is not None and a.ac:
-        plan = make_plan(Layout(cp=a.cp, ep=a.ep, fsdp=a.fsdp or a.trainer_gpus // a.cp, fp8=a.fp8, ac=a.ac), work, rates)
+        layout = Layout(cp=a.cp, ep=a.ep, fsdp=a.fsdp or a.trainer_gpus // a.cp, fp8=a.fp8, ac=a.ac)
+        plan = make_plan(layout, work, rates)
         if not plan.fits(work):
             raise PlanError(f"{plan.layout.label()} needs {plan.memory.total / 1e9:.1f} GB per GPU, over the "
                             f"{work.gpu_bytes / 1e9:.0f} GB of one GPU: raise --cp or --ep, use --ac offload or "

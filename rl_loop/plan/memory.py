@@ -86,7 +86,8 @@ def mla_layer(arch, tokens: int, context: int | None = None) -> LayerMemory:
                  + arch.kv_lora_rank * BF16 + kv_b + 2 * h * qk * BF16 + 2 * h * arch.v_head_dim * BF16
                  + h * FP32 + arch.dim * BF16)
     saved = tokens * per_token + (context - tokens) * (h * qk + h * arch.v_head_dim) * BF16
-    bwd = saved + tokens * h * (2 * qk + 2 * arch.v_head_dim) * BF16 + (context - tokens) * h * (qk + arch.v_head_dim) * BF16
+    bwd = (saved + tokens * h * (2 * qk + 2 * arch.v_head_dim) * BF16
+           + (context - tokens) * h * (qk + arch.v_head_dim) * BF16)
     return LayerMemory(saved=saved, peak=bwd, grad_bytes=_attention_grad_bytes(arch))
 
 

@@ -55,7 +55,8 @@ def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float]:
 def _attention_flops(arch) -> tuple[float, float]:
     """(per-token projection flops, per-token-pair core flops) of one MLA layer, forward."""
     h, qk = arch.n_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
-    proj = 2 * (arch.dim * arch.q_lora_rank + arch.q_lora_rank * h * qk + arch.dim * (arch.kv_lora_rank + arch.qk_rope_head_dim)
+    proj = 2 * (arch.dim * arch.q_lora_rank + arch.q_lora_rank * h * qk
+                + arch.dim * (arch.kv_lora_rank + arch.qk_rope_head_dim)
                 + arch.kv_lora_rank * h * (arch.qk_nope_head_dim + arch.v_head_dim) + h * arch.v_head_dim * arch.dim)
     return proj, 2 * h * (qk + arch.v_head_dim)
 
@@ -135,4 +136,5 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     for p in rates.dsa_points():
         source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
     return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, unmodelled=unmodelled,
-                    ep_all_to_all=ep, cp_gather=cp, fsdp_exposed=max(0.0, fsdp - compute) + replicas, sequences_per_rank=seqs, rates=source)
+                    ep_all_to_all=ep, cp_gather=cp, fsdp_exposed=max(0.0, fsdp - compute) + replicas,
+                    sequences_per_rank=seqs, rates=source)
