@@ -159,6 +159,10 @@ def parse_answer(buf: bytes) -> Answer:
 # --------------------------------------------------------------------------- routing
 
 
+class PickerUnavailable(RuntimeError):
+    """The EPP could not be asked (not running, wrong address): not the replicas' fault, so no fail-over."""
+
+
 class PickerRejected(RuntimeError):
     """The EPP answered the request itself (no endpoint) and kept doing so for `retry_for_s`."""
 
@@ -201,7 +205,7 @@ class LlmdRouter:
         while True:
             raw = await stream.read()
             if raw is grpc.aio.EOF:
-                raise ConnectionError(f"llm-d EPP at {self.address} closed the stream without an answer")
+                raise PickerUnavailable(f"llm-d EPP at {self.address} closed the stream without an answer")
             answer = parse_answer(raw)
             if answer.phase in ("request_headers", "immediate"):
                 return answer
@@ -217,6 +221,10 @@ class LlmdRouter:
             stream = self._stream()
             try:
                 answer = await self._ask(stream, path, key, raw)
+            except grpc.aio.AioRpcError as e:
+                stream.cancel()
+                raise PickerUnavailable(f"llm-d EPP at {self.address}: {e.code().name}: {e.details()} (is moerl-epp "
+                                        f"running with --grpc-port {self.address.rpartition(':')[2]}?)") from None
             except BaseException:
                 stream.cancel()
                 raise

@@ -61,3 +61,31 @@ def test_the_llmd_router_knobs(tmp_path):
         RLConfig.from_toml(path, {"inference.llmd_address": "http://10.0.0.5"})
     with pytest.raises(ConfigError, match="inference.router"):
         RLConfig.from_toml(path, {"inference.router": "envoy"})
+
+
+def test_an_unreachable_picker_is_one_clear_error_and_no_replica_is_blamed():
+    import asyncio
+    import socket
+
+    import aiohttp
+
+    from rl_loop.llmd import LlmdRouter, PickerUnavailable
+    from rl_loop.rollouts import generate_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    replica = Replica("r0", "http://127.0.0.1:8001")
+
+    async def run():
+        router = LlmdRouter(f"127.0.0.1:{port}")
+        try:
+            async with aiohttp.ClientSession() as session:
+                await generate_group(session, [replica], router, "m", [1, 2], "g", {}, n=1, max_tokens=1,
+                                     temperature=1.0, seed=0, timeout_s=5.0)
+        finally:
+            await router.close()
+
+    with pytest.raises(PickerUnavailable, match=f"llm-d EPP at 127.0.0.1:{port}: UNAVAILABLE"):
+        asyncio.run(run())
+    assert replica.up
