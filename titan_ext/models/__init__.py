@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.protocols.model_spec import ModelSpec
 
 from . import glm5, kimi_k2, qwen3_moe
 from .arch import MLAMoEArch
 from .builder import AttnBackend, build_model_config
+from .parallelize import parallelize_mla
 from .qwen3_moe import Qwen3MoEArch
 from .state_dict_adapter import MLAMoEStateDictAdapter
 
@@ -60,7 +60,7 @@ def spec_from_arch(name: str, flavor: str, arch: Arch, *, attn_backend: AttnBack
         name=name,
         flavor=flavor,
         model=build_model_config(arch, attn_backend=attn_backend),
-        parallelize_fn=parallelize_deepseekv3,
+        parallelize_fn=parallelize_mla,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=state_dict_adapter_cls(arch),

@@ -10,7 +10,8 @@ differs:
   switches a built config to another dispatcher or to fp8 experts (`titan_ext.options`);
 - maskless causal SDPA as the default inner attention, because FlexAttention has no
   CPU backward;
-- the DSA attention for models with a lightning indexer (`dsa.DSAAttention`);
+- MLA attention that runs context parallel over gathered latents (`mla.MLAttention`), and the
+  DSA attention for models with a lightning indexer (`dsa.DSAAttention`);
 - the replaying router (`titan_ext.replay`), identical to TorchTitan's until ids are replayed;
 - norm epsilons as the checkpoint has them.
 """
@@ -30,6 +31,7 @@ from torchtitan.models.common.param_init import depth_scaled_std
 
 from .arch import MLAMoEArch
 from .glm5.dsa import DSAAttention, LightningIndexer
+from .mla import MLAttention
 from ..replay import replay_router
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -108,7 +110,7 @@ def build_model_config(
         rope=rope,
     )
     for layer in layers:
-        attn = layer.attention
+        attn = layer.attention = derive(layer.attention, MLAttention.Config)
         attn.q_norm.eps = _LATENT_NORM_EPS
         attn.kv_norm.eps = _LATENT_NORM_EPS
         layer.attention_norm.eps = arch.norm_eps

@@ -22,6 +22,10 @@ Two implementations of the same function:
 - `impl="dense_mask"`: the selection as a dense S x S boolean mask over SDPA,
   kept as the reference the sparse path is tested against (fine on CPU, O(S^2)).
 In fp32 on small sequences both give the same selection and agree to rounding.
+
+Under context parallel (`context_parallel`, `--parallelism.context_parallel_degree`) a rank's
+queries run against the whole sequence's gathered latents and indexer keys; both the indexer
+and the sparse attention take the queries' global positions as `segments` and mask by them.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from torch import nn
 from torchtitan.models.common.attention import AttentionMasksType
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.nn_modules import LayerNorm
-from torchtitan.models.deepseek_v3.model import Attention
 from torchtitan.protocols.module import Module
 
+from ..context_parallel import chunks, flat_segments
 from ..matmul import bmm_fp32
+from ..mla import MLAttention
 
 
 class LightningIndexer(Module):
@@ -54,8 +59,10 @@ class LightningIndexer(Module):
         rope_dim: int
         topk: int
         linear_init: dict | None = None
-        # Queries scored per step (bounds the [chunk, heads, keys] scratch).
+        # Queries and keys scored per step: the [query_chunk, heads, key_chunk] scratch; the
+        # selection keeps a running top-k over key chunks, never a [queries, S] logits row block.
         query_chunk: int = 1024
+        key_chunk: int = 4096
 
     def __init__(self, config: Config):
         super().__init__()
@@ -64,6 +71,7 @@ class LightningIndexer(Module):
         self.rope_dim = config.rope_dim
         self.topk = config.topk
         self.query_chunk = config.query_chunk
+        self.key_chunk = config.key_chunk
         init = config.linear_init
         self.wq_b = Linear.Config(
             in_features=config.q_lora_rank, out_features=config.n_heads * config.head_dim, param_init=init
@@ -75,11 +83,10 @@ class LightningIndexer(Module):
         self.weights_proj = Linear.Config(in_features=config.dim, out_features=config.n_heads, param_init=init).build()
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
-        """Returns `[B, S, min(topk, S)]` key indices, each query's highest-scoring keys.
+    def project(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions):
+        """(queries `[B, L, H, D]`, keys `[B, L, D]`, head weights `[B, L, H]` fp32) of these tokens.
 
-        Causal: later keys score -inf, so a query selects one only when it has fewer than
-        `topk` keys to choose from (the attention ignores those)."""
+        Under context parallel the keys are what travels (gathered with the attention's latents)."""
         bsz, seqlen, _ = x.shape
         q = self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).unsqueeze(2)
@@ -88,54 +95,78 @@ class LightningIndexer(Module):
         q_pe, k_pe = rope(q_pe, k_pe, positions)
         q = torch.cat([q_pe, q_rest], dim=-1)
         k = torch.cat([k_pe, k_rest], dim=-1).squeeze(2)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, k, weights
+
+    @torch.no_grad()
+    def select(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        """`[B, L, min(topk, S)]` indices into the `S` keys `k`, each query's highest-scoring ones.
+
+        `segments` (`context_parallel.flat_segments`) give the queries' global positions. Causal:
+        later keys score -inf, so a query selects one only when it has fewer than `topk` keys to
+        choose from (the attention ignores those)."""
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        return indexer_topk(q, k, weights, min(self.topk, seqlen), self.query_chunk, self.head_dim**-0.5)
+        topk = min(self.topk, k.size(1))
+        return indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
+        """`[B, S, min(topk, S)]` key indices for a whole (unsharded) sequence."""
+        q, k, weights = self.project(x, q_latent, rope, positions)
+        return self.select(q, k, weights, [0, 0, x.size(1)])
 
 
 @torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
 def indexer_topk(
-    q_BSHD: torch.Tensor, k_BSD: torch.Tensor, w_BSH: torch.Tensor, topk: int, query_chunk: int, scale: float
+    q_BLHD: torch.Tensor, k_BSD: torch.Tensor, w_BLH: torch.Tensor, topk: int, segments: list[int],
+    query_chunk: int, key_chunk: int, scale: float,
 ) -> torch.Tensor:
-    """The indexer's scoring and top-k, chunk by chunk over queries: `[B, S, topk]` key indices.
+    """The indexer's scoring and top-k: `[B, L, topk]` indices into the keys.
 
-    One opaque op on purpose: selective activation checkpointing (TorchTitan's default)
-    caches the output of every matmul it sees, which here would keep each chunk's
-    `[chunk, heads, keys]` score scratch (O(S^2 * heads) per layer) and then find it
-    mutated by the in-place ReLU and causal mask. Hidden inside one op, the scratch lives
-    only while the op runs; checkpointing recomputes the op like any other cheap op."""
-    bsz, seqlen = q_BSHD.shape[:2]
-    chunk = seqlen if seqlen <= query_chunk else query_chunk
-    out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=q_BSHD.device)
-    for s0 in range(0, seqlen, chunk):
-        s1 = min(seqlen, s0 + chunk)
-        # Keys a query of this chunk may see (plus enough to fill top-k); all of them
-        # when one chunk covers the sequence, which keeps small cases identical to
-        # scoring the full S x S matrix.
-        kend = seqlen if chunk == seqlen else min(seqlen, max(s1, topk))
-        out[:, s0:s1] = _chunk_topk(q_BSHD[:, s0:s1], k_BSD[:, :kend], w_BSH[:, s0:s1], s0, topk, scale)
+    Queries go chunk by chunk (`segments` give their global positions); each chunk scores
+    only the keys it may see (at least `topk` of them), `key_chunk` at a time, merging every
+    key chunk's scores into a running top-k, so scratch is `[query_chunk, heads, key_chunk]`
+    whatever the sequence length. One opaque op on purpose: selective activation
+    checkpointing (TorchTitan's default) caches the output of every matmul it sees, which here
+    would keep every chunk's score scratch and then find it mutated by the in-place ReLU and
+    causal mask. Hidden inside one op, the scratch lives only while the op runs;
+    checkpointing recomputes the op like any other cheap op."""
+    bsz, seqlen = q_BLHD.shape[:2]
+    out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=q_BLHD.device)
+    for l0, l1, g0 in chunks(segments, query_chunk):
+        kend = min(k_BSD.size(1), max(g0 + l1 - l0, topk))
+        out[:, l0:l1] = _chunk_topk(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, topk, key_chunk, scale)
     return out
 
 
 @indexer_topk.register_fake
-def _(q_BSHD, k_BSD, w_BSH, topk, query_chunk, scale):
-    return q_BSHD.new_empty(*q_BSHD.shape[:2], topk, dtype=torch.long)
+def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale):
+    return q_BLHD.new_empty(*q_BLHD.shape[:2], topk, dtype=torch.long)
 
 
-def _chunk_topk(q_BCHD, k_BTD, w_BCH, s0: int, topk: int, scale: float) -> torch.Tensor:
+def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale: float) -> torch.Tensor:
+    """Top-k keys of `c` consecutive queries at global positions g0.. over keys `k_BTD` (a running
+    top-k across key chunks; a single chunk is a plain top-k)."""
     bsz, c, h, d = q_BCHD.shape
-    t = k_BTD.size(1)
-    # [B, C*H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
-    scores = torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t)
-    scores = F.relu_(scores)
+    q = q_BCHD.reshape(bsz, c * h, d)
     w = w_BCH.reshape(bsz * c, 1, h)
-    index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
-    index_scores = index_scores.view(bsz, c, t) * scale
-    pos = torch.arange(s0, s0 + c, device=k_BTD.device)
-    future = torch.arange(t, device=k_BTD.device)[None, :] > pos[:, None]
-    index_scores.masked_fill_(future, float("-inf"))
-    return index_scores.topk(topk, dim=-1).indices
+    pos = torch.arange(g0, g0 + c, device=k_BTD.device)
+    best_v = best_i = None
+    for t0 in range(0, k_BTD.size(1), key_chunk):
+        kc = k_BTD[:, t0:t0 + key_chunk]
+        t = kc.size(1)
+        # [B*C, H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
+        scores = F.relu_(torch.bmm(q, kc.transpose(1, 2)).view(bsz * c, h, t))
+        index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
+        index_scores = index_scores.view(bsz, c, t) * scale
+        keys = torch.arange(t0, t0 + t, device=k_BTD.device)
+        index_scores.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+        keys = keys.expand(bsz, c, t)
+        if best_v is not None:
+            index_scores, keys = torch.cat([best_v, index_scores], -1), torch.cat([best_i, keys], -1)
+        best_v, j = index_scores.topk(min(topk, index_scores.size(-1)), dim=-1)
+        best_i = keys.gather(-1, j)
+    return best_i
 
 
 @functools.cache
@@ -159,88 +190,93 @@ def sparse_attention_impl(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> Lite
 class _SparseLatentAttention(torch.autograd.Function):
     """softmax(scale * q k^T over the selected keys) v, in MLA's latent space.
 
-    q_BSHC: queries (W_uk absorbed, rope part appended); kv_BSC: one latent key per
-    token whose first `v_dim` channels are also its value; idx_BSK: selected keys
-    (entries after the query's position are ignored). Chunked over queries; the
+    q_BLHC: queries (W_uk absorbed, rope part appended); kv_BSC: one latent key per
+    token whose first `v_dim` channels are also its value; idx_BLK: selected keys
+    (entries after the query's position are ignored); `segments` the queries' global
+    positions (None: L == S, query i at position i). Chunked over queries; the
     backward recomputes the gathered keys and scatter-adds key gradients in fp32.
     """
 
     @staticmethod
-    def forward(ctx, q_BSHC, kv_BSC, idx_BSK, scale: float, v_dim: int, chunk: int):
-        out, lse = sparse_latent_attention_fwd(q_BSHC, kv_BSC, idx_BSK, scale, v_dim, chunk)
-        ctx.save_for_backward(q_BSHC, kv_BSC, idx_BSK, out, lse)
-        ctx.scale, ctx.v_dim, ctx.chunk = scale, v_dim, chunk
+    def forward(ctx, q_BLHC, kv_BSC, idx_BLK, scale: float, v_dim: int, chunk: int, segments: list[int] | None = None):
+        segments = [0, 0, q_BLHC.size(1)] if segments is None else segments
+        out, lse = sparse_latent_attention_fwd(q_BLHC, kv_BSC, idx_BLK, scale, v_dim, chunk, segments)
+        ctx.save_for_backward(q_BLHC, kv_BSC, idx_BLK, out, lse)
+        ctx.scale, ctx.v_dim, ctx.chunk, ctx.segments = scale, v_dim, chunk, segments
         return out
 
     @staticmethod
-    def _probs(q_CHD, kv_TD, idx_CK, s0: int, scale: float, lse_CH=None):
+    def _probs(q_CHD, kv_TD, idx_CK, g0: int, scale: float, lse_CH=None):
+        """Gathered keys, probabilities and LSE of `c` queries at global positions g0.."""
         c, k = idx_CK.shape
         kc = kv_TD.index_select(0, idx_CK.reshape(-1)).view(c, k, kv_TD.size(-1))
         sc = bmm_fp32(q_CHD, kc.transpose(1, 2)).mul_(scale)
-        pos = torch.arange(s0, s0 + c, device=idx_CK.device)
+        pos = torch.arange(g0, g0 + c, device=idx_CK.device)
         sc.masked_fill_((idx_CK > pos[:, None]).unsqueeze(1), float("-inf"))
         if lse_CH is None:
             lse_CH = torch.logsumexp(sc, dim=-1)
         return kc, sc.sub_(lse_CH.unsqueeze(-1)).exp_(), lse_CH
 
     @staticmethod
-    def backward(ctx, dout_BSHV):
-        q_BSHC, kv_BSC, idx_BSK, out, lse = ctx.saved_tensors
-        scale, v_dim, chunk = ctx.scale, ctx.v_dim, ctx.chunk
-        bsz, seqlen, _, _ = q_BSHC.shape
-        dtype = q_BSHC.dtype
-        dq = torch.empty_like(q_BSHC)
+    def backward(ctx, dout_BLHV):
+        q_BLHC, kv_BSC, idx_BLK, out, lse = ctx.saved_tensors
+        scale, v_dim = ctx.scale, ctx.v_dim
+        dtype = q_BLHC.dtype
+        dq = torch.empty_like(q_BLHC)
         dkv = torch.zeros(kv_BSC.shape, dtype=torch.float32, device=kv_BSC.device)
-        dout_BSHV = dout_BSHV.contiguous()
-        for b in range(bsz):
-            for s0 in range(0, seqlen, chunk):
-                s1 = min(seqlen, s0 + chunk)
-                qc, ic, doc = q_BSHC[b, s0:s1], idx_BSK[b, s0:s1], dout_BSHV[b, s0:s1]
-                kc, p, _ = _SparseLatentAttention._probs(qc, kv_BSC[b], ic, s0, scale, lse[b, s0:s1])
+        dout_BLHV = dout_BLHV.contiguous()
+        for b in range(q_BLHC.size(0)):
+            for l0, l1, g0 in chunks(ctx.segments, ctx.chunk):
+                qc, ic, doc = q_BLHC[b, l0:l1], idx_BLK[b, l0:l1], dout_BLHV[b, l0:l1]
+                kc, p, _ = _SparseLatentAttention._probs(qc, kv_BSC[b], ic, g0, scale, lse[b, l0:l1])
                 dp = bmm_fp32(doc, kc[..., :v_dim].transpose(1, 2))
-                delta = (doc.float() * out[b, s0:s1].float()).sum(-1, keepdim=True)
+                delta = (doc.float() * out[b, l0:l1].float()).sum(-1, keepdim=True)
                 ds = p.mul(dp.sub_(delta)).mul_(scale).to(dtype)
                 p = p.to(dtype)
-                dq[b, s0:s1] = torch.bmm(ds, kc)
+                dq[b, l0:l1] = torch.bmm(ds, kc)
                 dkc = bmm_fp32(ds.transpose(1, 2), qc)
                 dkc[..., :v_dim] += bmm_fp32(p.transpose(1, 2), doc)
                 dkv[b].index_add_(0, ic.reshape(-1), dkc.view(-1, dkc.size(-1)))
-        return dq, dkv.to(kv_BSC.dtype), None, None, None, None
+        return dq, dkv.to(kv_BSC.dtype), None, None, None, None, None
 
 
 @torch.library.custom_op("titan_ext::dsa_sparse_latent_attention_fwd", mutates_args=())
 def sparse_latent_attention_fwd(
-    q_BSHC: torch.Tensor, kv_BSC: torch.Tensor, idx_BSK: torch.Tensor, scale: float, v_dim: int, chunk: int
+    q_BLHC: torch.Tensor, kv_BSC: torch.Tensor, idx_BLK: torch.Tensor, scale: float, v_dim: int, chunk: int,
+    segments: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_SparseLatentAttention`'s forward: (out `[B, S, H, v_dim]`, lse `[B, S, H]` fp32).
+    """`_SparseLatentAttention`'s forward: (out `[B, L, H, v_dim]`, lse `[B, L, H]` fp32).
 
     One opaque op for the same reason as `indexer_topk`: selective activation checkpointing
     would otherwise cache every chunk's gathered scores (O(S * heads * topk)) and find them
     mutated by the in-place scale, mask and softmax; the autograd function already saves
     what its backward needs."""
-    bsz, seqlen, n_heads, _ = q_BSHC.shape
-    out = q_BSHC.new_empty(bsz, seqlen, n_heads, v_dim)
-    lse = torch.empty(bsz, seqlen, n_heads, dtype=torch.float32, device=q_BSHC.device)
+    bsz, seqlen, n_heads, _ = q_BLHC.shape
+    out = q_BLHC.new_empty(bsz, seqlen, n_heads, v_dim)
+    lse = torch.empty(bsz, seqlen, n_heads, dtype=torch.float32, device=q_BLHC.device)
     for b in range(bsz):
-        for s0 in range(0, seqlen, chunk):
-            s1 = min(seqlen, s0 + chunk)
-            kc, p, l = _SparseLatentAttention._probs(q_BSHC[b, s0:s1], kv_BSC[b], idx_BSK[b, s0:s1], s0, scale)
-            out[b, s0:s1] = torch.bmm(p.to(q_BSHC.dtype), kc[..., :v_dim])
-            lse[b, s0:s1] = l
+        for l0, l1, g0 in chunks(segments, chunk):
+            kc, p, l = _SparseLatentAttention._probs(q_BLHC[b, l0:l1], kv_BSC[b], idx_BLK[b, l0:l1], g0, scale)
+            out[b, l0:l1] = torch.bmm(p.to(q_BLHC.dtype), kc[..., :v_dim])
+            lse[b, l0:l1] = l
     return out, lse
 
 
 @sparse_latent_attention_fwd.register_fake
-def _(q_BSHC, kv_BSC, idx_BSK, scale, v_dim, chunk):
-    out = q_BSHC.new_empty(*q_BSHC.shape[:3], v_dim)
-    return out, q_BSHC.new_empty(q_BSHC.shape[:3], dtype=torch.float32)
+def _(q_BLHC, kv_BSC, idx_BLK, scale, v_dim, chunk, segments):
+    out = q_BLHC.new_empty(*q_BLHC.shape[:3], v_dim)
+    return out, q_BLHC.new_empty(q_BLHC.shape[:3], dtype=torch.float32)
 
 
-class DSAAttention(Attention):
-    """MLA whose queries attend to the indexer's top-k keys (and never to later ones)."""
+class DSAAttention(MLAttention):
+    """MLA whose queries attend to the indexer's top-k keys (and never to later ones).
+
+    Under context parallel (`cp` set) one all-gather per layer carries the latent kv, the
+    roped shared key and the indexer key of every token (`context_parallel`); the indexer
+    and the sparse attention then run this rank's queries against the whole sequence."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Attention.Config):
+    class Config(MLAttention.Config):
         indexer: LightningIndexer.Config
         impl: Literal["sparse", "dense_mask"] = "sparse"
         # Queries per step of the sparse attention (bounds its gathered-key scratch).
@@ -259,34 +295,40 @@ class DSAAttention(Attention):
         if self.q_lora_rank == 0:
             raise ValueError("DSA needs a q latent (q_lora_rank > 0)")
         bsz, seqlen, _ = x.shape
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).view(bsz, seqlen, -1, self.qk_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(2), positions)
-        selected = self.indexer(x, q_latent, self.rope, positions)
-        if self.impl == "dense_mask" or self.wkv_b.bias is not None:
-            out = self._dense_mask_attention(q_nope, q_pe, kv, k_pe, selected)
+        q_latent, q_nope, q_pe, kv, k_pe, positions = self.project(x, positions)
+        idx_q, idx_k, idx_w = self.indexer.project(x, q_latent, self.rope, positions)
+        if self.cp is None:
+            if self.impl == "dense_mask" or self.wkv_b.bias is not None:
+                selected = self.indexer.select(idx_q, idx_k, idx_w, [0, 0, seqlen])
+                out = self._dense_mask_attention(q_nope, q_pe, kv, k_pe, selected)
+                return self.wo(out.reshape(bsz, seqlen, -1))
+            kv_all, segments = torch.cat([self.kv_norm(kv), k_pe], dim=-1), None
         else:
-            out = self._sparse_latent_attention(q_nope, q_pe, kv, k_pe, selected)
+            if self.impl != "sparse" or self.wkv_b.bias is not None:
+                raise ValueError("context parallel DSA runs the sparse latent attention (impl='sparse', no wkv_b bias)")
+            latent = torch.cat([self.kv_norm(kv), k_pe, idx_k.to(kv.dtype)], dim=-1)
+            kv_all, idx_k = self.cp.gather(latent).split([latent.size(-1) - idx_k.size(-1), idx_k.size(-1)], dim=-1)
+            segments = flat_segments(self.cp.segments(seqlen))
+        selected = self.indexer.select(idx_q, idx_k, idx_w, segments or [0, 0, seqlen])
+        out = self._sparse_latent_attention(q_nope, q_pe, kv_all, selected, segments)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
-    def _sparse_latent_attention(self, q_nope, q_pe, kv, k_pe, selected):
+    def _sparse_latent_attention(self, q_nope, q_pe, kv_all, selected, segments):
         """Attention over the selected keys in the shared latent space (absorbed W_uk / W_uv)."""
         n_heads = q_nope.size(2)
         w = self.wkv_b.weight.view(n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
         q_all = torch.cat([q_lat, q_pe], dim=-1)
-        kv_all = torch.cat([self.kv_norm(kv), k_pe.squeeze(2)], dim=-1)
         self.sparse_impl = sparse_attention_impl(q_all, kv_all, self.kv_lora_rank)
-        if self.sparse_impl == "triton":
+        if self.sparse_impl == "triton" and segments is None:
             o_lat = _triton_kernels().sparse_latent_attention(
                 q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank
             )
         else:
+            self.sparse_impl = "torch"
             o_lat = _SparseLatentAttention.apply(
-                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk
+                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk, segments
             )
         return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
 
@@ -296,7 +338,7 @@ class DSAAttention(Attention):
         q = torch.cat([q_nope, q_pe], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, k_nope.size(2), -1)], dim=-1)
         mask = torch.zeros(bsz, seqlen, seqlen, dtype=torch.bool, device=q.device)
         mask.scatter_(-1, selected, True)
         mask &= torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril()

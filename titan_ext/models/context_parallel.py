@@ -1,0 +1,138 @@
+"""Context parallel (CP) for the MLA family: the sequence stays split, only the key side's latents travel.
+
+TorchTitan's own CP wraps the inner attention and gathers per-head K and V (Kimi-K2: 64 heads x
+(192 + 128) values per token) and knows no DSA. MLA's keys and values are all derived from one
+small per-token latent, so each rank instead all-gathers, per layer, only that latent: the
+normalised compressed KV (`kv_lora_rank`), the roped shared key (`qk_rope_head_dim`) and, for
+DSA, the indexer's key (`index_head_dim`) - GLM-5: 512 + 64 + 128 = 704 values per token against
+a hidden size of 6144. Queries, hidden states and the MoE stay sharded. The gather is
+autograd-aware: its backward reduce-scatters (sums) the key gradients back to the rank that owns
+each token.
+
+The token layout is TorchTitan's: the trainer shards inputs, labels and positions with
+`--parallelism.context_parallel_load_balancer` (default `headtail`: rank r holds chunks r and
+2cp-1-r of 2cp, so every rank does the same causal work), and `SequenceShards` derives each
+rank's global token positions by sharding `arange(S)` the same way (`cp_shard`). The attention
+works on contiguous runs of global positions (`Segment`), which is what its causal masks follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.distributed.context_parallel import cp_shard
+
+LOAD_BALANCERS = ("headtail", None)
+
+
+def latent_gather_bytes(tokens: int, *, kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int = 0,
+                        dtype_bytes: int = 2) -> int:
+    """Bytes one layer's latent all-gather yields on each rank for a sequence of `tokens`:
+    tokens x (kv_lora + rope + indexer key) x dtype bytes (GLM-5 bf16: 704 x 2 x tokens)."""
+    return tokens * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` local rows from `local_start` hold global positions `global_start ...`."""
+
+    local_start: int
+    global_start: int
+    length: int
+
+
+def segments_of(positions: list[int]) -> tuple[Segment, ...]:
+    """Split a rank's global token positions into maximal runs of consecutive positions."""
+    runs: list[Segment] = []
+    for i, p in enumerate(positions):
+        last = runs[-1] if runs else None
+        if last is not None and p == last.global_start + last.length:
+            runs[-1] = Segment(last.local_start, last.global_start, last.length + 1)
+        else:
+            runs.append(Segment(i, p, 1))
+    return tuple(runs)
+
+
+def flat_segments(segments: tuple[Segment, ...]) -> list[int]:
+    """`segments` as the flat int list custom ops take: [local0, global0, len0, local1, ...]."""
+    return [v for s in segments for v in (s.local_start, s.global_start, s.length)]
+
+
+def chunks(flat: list[int], chunk: int):
+    """(local start, local end, global start) of runs of at most `chunk` rows within each segment."""
+    for i in range(0, len(flat), 3):
+        l0, g0, n = flat[i:i + 3]
+        for off in range(0, n, chunk):
+            yield l0 + off, l0 + min(n, off + chunk), g0 + off
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather `[B, L, D]` over the group into `[world, B, L, D]`; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x_BLD: torch.Tensor, group, counter: list[int]):
+        world = dist.get_world_size(group)
+        out = x_BLD.new_empty(world * x_BLD.size(0), *x_BLD.shape[1:])
+        dist.all_gather_into_tensor(out, x_BLD.contiguous(), group=group)
+        out = out.view(world, *x_BLD.shape)
+        counter[0] += out.numel() * out.element_size()
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_WBLD: torch.Tensor):
+        grad = grad_WBLD.new_empty(grad_WBLD.shape[1:])
+        dist.reduce_scatter_tensor(grad, grad_WBLD.flatten(0, 1).contiguous(), group=ctx.group)
+        return grad, None, None
+
+
+class SequenceShards:
+    """One rank's share of the sequence under CP: its positions, and the latent gather."""
+
+    def __init__(self, mesh: DeviceMesh, load_balancer: str | None = "headtail"):
+        if load_balancer not in LOAD_BALANCERS:
+            raise ValueError(
+                f"titan_ext's latent context parallel shards with --parallelism.context_parallel_load_balancer "
+                f"headtail (or none); {load_balancer!r} needs FlexAttention block masks, which MLA/DSA do not use"
+            )
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.load_balancer = load_balancer
+        # Bytes produced by this rank's latent all-gathers (forward only), for the benchmark.
+        self.gathered_bytes = [0]
+        self._layouts: dict[int, tuple[list[int], list[int]]] = {}
+
+    def shard(self, *tensors: torch.Tensor, seq_dim: int = 1) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of full-sequence tensors, laid out as the trainer lays out its batch."""
+        sharded, _ = cp_shard(self.mesh, tensors, None, self.load_balancer, input_seq_dim=seq_dim)
+        return tuple(sharded)
+
+    def _layout(self, local_len: int) -> tuple[list[int], list[int]]:
+        """(this rank's global positions, the rank-order -> global-order permutation), per length."""
+        if local_len not in self._layouts:
+            seqlen = local_len * self.world
+            (mine,) = self.shard(torch.arange(seqlen, device=self.mesh.device_type).unsqueeze(0))
+            every = mine.new_empty(self.world, mine.size(1))
+            dist.all_gather_into_tensor(every, mine.contiguous(), group=self.group)
+            restore = torch.argsort(every.reshape(-1))
+            self._layouts[local_len] = (mine.reshape(-1).tolist(), restore.tolist())
+        return self._layouts[local_len]
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """`[1, L]` global positions of this rank's rows (rope positions when none are given)."""
+        return torch.tensor(self._layout(local_len)[0], device=device).unsqueeze(0)
+
+    def segments(self, local_len: int) -> tuple[Segment, ...]:
+        return segments_of(self._layout(local_len)[0])
+
+    def gather(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        """`[B, S, D]`: every rank's rows in global sequence order (gradients go back to their owners)."""
+        bsz, local_len, dim = x_BLD.shape
+        parts = _GatherSequence.apply(x_BLD, self.group, self.gathered_bytes)
+        flat = parts.permute(1, 0, 2, 3).reshape(bsz, self.world * local_len, dim)
+        restore = torch.tensor(self._layout(local_len)[1], device=x_BLD.device)
+        return flat.index_select(1, restore)
