@@ -9,21 +9,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .layout import Layout, Workload
-from .model import ParamCounts
+from .model import ParamCounts, light_module
 
 BF16, FP32 = 2, 4
+
+
+def cp_latent_gather_bytes(arch, tokens: int, dtype_bytes: int = BF16) -> int:
+    """Bytes of one layer's gathered latent keys over a sequence of `tokens`: what a DSA/MLA layer
+    under titan_ext's context parallel all-gathers once per forward (titan_ext's own formula)."""
+    return light_module("cp_volume").latent_gather_bytes(
+        tokens, kv_lora_rank=arch.kv_lora_rank, qk_rope_head_dim=arch.qk_rope_head_dim,
+        index_head_dim=arch.index_head_dim if arch.has_indexer else 0, dtype_bytes=dtype_bytes)
 
 
 def cp_latent_values(arch) -> int:
     """Values per token a CP rank gathers per layer: the MLA latent key (kv_lora + rope) and,
     for DSA, the indexer key: 512 + 64 + 128 = 704 for GLM-5."""
-    return arch.kv_lora_rank + arch.qk_rope_head_dim + (arch.index_head_dim if arch.has_indexer else 0)
-
-
-def cp_latent_gather_bytes(arch, tokens: int) -> int:
-    """Bytes of one layer's gathered latent keys over a sequence of `tokens` (bf16): what a
-    DSA/MLA layer under context parallel all-gathers once per forward."""
-    return cp_latent_values(arch) * BF16 * tokens
+    return cp_latent_gather_bytes(arch, 1, dtype_bytes=1)
 
 
 @dataclass(frozen=True)

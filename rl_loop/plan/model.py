@@ -17,9 +17,9 @@ def _specs_package() -> str:
     """A package whose path is titan_ext/models, registered without running its __init__.
 
     Importing titan_ext applies the torch patches and titan_ext.models imports TorchTitan
-    (about 8 s); the architecture dataclass (arch.py) and each model's flavors
-    (<model>/__init__.py) import only dataclasses and each other, so they load through this
-    package in milliseconds and are the very objects the trainer builds from."""
+    (about 8 s); the architecture dataclass (arch.py), each model's flavors (<model>/__init__.py)
+    and the CP gather formula (cp_volume.py) import only the standard library and each other, so
+    they load through this package in milliseconds and are the very code the trainer runs."""
     if _SPECS_PACKAGE not in sys.modules:
         root = Path(importlib.util.find_spec("titan_ext").submodule_search_locations[0]) / "models"
         pkg = types.ModuleType(_SPECS_PACKAGE)
@@ -28,11 +28,16 @@ def _specs_package() -> str:
     return _SPECS_PACKAGE
 
 
+def light_module(name: str) -> types.ModuleType:
+    """A torch-free module of titan_ext/models (`arch`, a model's flavors, `cp_volume`), loaded as above."""
+    return importlib.import_module(f"{_specs_package()}.{name}")
+
+
 def load_arch(model: str, flavor: str = "full"):
     """The `MLAMoEArch` of titan_ext's `model` / `flavor` (ValueError naming the choices)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; moerl plan knows {', '.join(MODELS)}")
-    flavors = importlib.import_module(f"{_specs_package()}.{model}").FLAVORS
+    flavors = light_module(model).FLAVORS
     if flavor not in flavors:
         raise ValueError(f"unknown flavor {flavor!r} of {model}; it has {', '.join(flavors)}")
     return flavors[flavor]

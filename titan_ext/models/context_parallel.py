@@ -25,14 +25,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.context_parallel import cp_shard
 
+from .cp_volume import latent_gather_bytes  # noqa: F401  (the formula lives in a torch-free module)
+
 LOAD_BALANCERS = ("headtail", None)
-
-
-def latent_gather_bytes(tokens: int, *, kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int = 0,
-                        dtype_bytes: int = 2) -> int:
-    """Bytes one layer's latent all-gather yields on each rank for a sequence of `tokens`:
-    tokens x (kv_lora + rope + indexer key) x dtype bytes (GLM-5 bf16: 704 x 2 x tokens)."""
-    return tokens * (kv_lora_rank + qk_rope_head_dim + index_head_dim) * dtype_bytes
 
 
 @dataclass(frozen=True)
