@@ -160,12 +160,20 @@ def die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     import titan_ext  # noqa: F401 - importing it applies the runtime patches
+    from titan_ext.teardown import destroy_process_group_together
+
+    train(Path((argv or sys.argv[1:])[0]).resolve())
+    # after train() returned: its Trainer, which holds the process groups, is garbage now
+    destroy_process_group_together()
+
+
+def train(run_dir: Path) -> None:
+    """Train the steps of the run in `run_dir`, one batch file at a time, publishing weights after each."""
     from titan_ext.checkpoint import checkpoint_quantization, read_arch
     from titan_ext.options import TitanExtOptions, apply_options
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
 
-    run_dir = Path((argv or sys.argv[1:])[0]).resolve()
     spec = TrainerSpec.load(run_dir)
     cfg = trainer_config(spec.model, spec.flavor)
     arch = read_arch(spec.init_checkpoint, spec.model)
@@ -229,7 +237,6 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(step=step, grad_norm=float(grad), wait_s=wait_s, train_s=train_s, publish_s=publish_s)
             write_atomic(metrics_path(run_dir, step), lambda tmp: tmp.write_text(json.dumps(metrics)))
     trainer.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

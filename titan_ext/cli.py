@@ -8,6 +8,7 @@ Works the same under `torchrun ... $(which torchtitan) train ...`.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -181,5 +182,9 @@ def _run_torchtitan(args: list[str], config) -> None:
                 return config, args
 
         tt_train.ConfigManager = _PrebuiltConfigManager
+    from .teardown import together_on_destroy
+
     sys.argv = ["torchtitan", *args]
-    tt_train.main()
+    with together_on_destroy():  # rank 0 leaves Trainer.train 2 s after the others
+        tt_train.main()
+    gc.collect()  # TorchTitan's Trainer, which holds the process groups, is garbage only now (teardown.py)

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import titan_ext  # noqa: F401  (applies patches)
 from titan_ext.models.deepep import DeepEPV1TokenDispatcher
 from titan_ext.models.experts import LeanTokenDispatcher
+from titan_ext.teardown import destroy_process_group_together
 
 TOKENS, DIM, EXPERTS, TOP_K = 512, 256, 16, 4
 
@@ -50,7 +51,7 @@ def main() -> None:
     if rank == 0:
         names = ("out", "grad_x", "grad_scores")
         torch.save({n: (a.float().cpu(), b.float().cpu()) for n, a, b in zip(names, *results)}, sys.argv[1])
-    dist.destroy_process_group()
+    destroy_process_group_together()
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@ takes its share of the batch rows), and save the whole batch's logits from rank 
 {"logits", "grads"} (full parameter gradients by name). `--titan_ext.*` flags pick the
 dispatcher / fp8 as on the command line.
 
-usage: torchrun --nproc_per_node N ep_logits_worker.py CKPT_DIR MODEL EP OUT_FILE [--replay] [--grads]
-       [--titan_ext.dispatcher NAME] [--titan_ext.fp8]
+Each VARIANT is one argument holding such flags (shell-quoted, may be empty); every variant
+builds its own Trainer in this one torchrun run, one after another, and OUT_FILE holds the
+list of their results in order: several checks share one process start-up.
+
+usage: torchrun --nproc_per_node N ep_logits_worker.py CKPT_DIR MODEL EP OUT_FILE VARIANT [VARIANT ...]
+       VARIANT: "[--replay] [--grads] [--titan_ext.dispatcher NAME] [--titan_ext.fp8]"
 """
 
+import shlex
 import sys
 import tempfile
 
@@ -19,6 +24,7 @@ from torch.distributed.tensor import DTensor
 import titan_ext  # noqa: F401  (applies patches)
 from titan_ext.options import apply_options, take_options
 from titan_ext.replay import replay_routing
+from titan_ext.teardown import destroy_process_group_together
 from titan_ext.train_config import trainer_config
 
 
@@ -30,12 +36,11 @@ def fixed_batch(arch_vocab: int, num_moe_layers: int, top_k: int, num_experts: i
     return tokens, ids
 
 
-def main() -> None:
-    ckpt, model, ep, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    flags = sys.argv[5:]
+def run_variant(ckpt: str, model: str, ep: int, flags: list[str]):
+    """One Trainer with `flags`: rank 0 returns the logits (or {"logits", "grads"}), other ranks None."""
     replay, grads = "--replay" in flags, "--grads" in flags
     cfg = trainer_config(model, "tiny")
-    apply_options(cfg, take_options(flags))
+    apply_options(cfg, take_options(list(flags)))
     cfg.hf_assets_path = ckpt
     cfg.dump_folder = tempfile.mkdtemp(prefix="moerl_ep_")
     cfg.checkpoint.enable = True
@@ -63,11 +68,22 @@ def main() -> None:
                  for n, p in model_part.named_parameters()}
     parts = [torch.empty_like(logits) for _ in range(world)]
     torch.distributed.all_gather(parts, logits.detach().contiguous())
-    if rank == 0:
-        full = torch.cat(parts).float()
-        torch.save({"logits": full, "grads": {n: g.float() for n, g in named.items()}} if grads else full, out)
     trainer.close()
-    torch.distributed.destroy_process_group()
+    if rank != 0:
+        return None
+    full = torch.cat(parts).float()
+    return {"logits": full, "grads": {n: g.float() for n, g in named.items()}} if grads else full
+
+
+def main() -> None:
+    ckpt, model, ep, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    variants = [shlex.split(v) for v in sys.argv[5:]]
+    if not variants:
+        raise SystemExit(__doc__)
+    results = [run_variant(ckpt, model, ep, flags) for flags in variants]
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out)
+    destroy_process_group_together()
 
 
 if __name__ == "__main__":

@@ -17,21 +17,28 @@ WORKER = str(ROOT / "tests/integration/ep_logits_worker.py")
 TOL = 1e-5  # fp32: the EP=2 forward and backward add the same terms as EP=1, in another order at most
 
 
+# The worker's flag sets the tests below compare; each EP degree computes all of them in one torchrun run.
+VARIANTS = [*(f"--titan_ext.dispatcher {d}{r}" for d in ("lean", "torchtitan") for r in ("", " --replay")),
+            "--titan_ext.fp8 --replay"]
+
+
 @pytest.fixture(scope="module")
 def run_worker(tiny_checkpoint, tmp_path_factory):
-    """run_worker(ep, *flags) -> {"logits", "grads"} of the fixed batch (cached per argument set)."""
+    """run_worker(ep, *flags) -> {"logits", "grads"} of the fixed batch for one of VARIANTS. The first
+    call for an EP degree runs the worker once for every variant; later calls read its results."""
     ckpt = tiny_checkpoint("kimi_k2", 0.1)
     out_dir = tmp_path_factory.mktemp("ep")
-    cache: dict[tuple, dict] = {}
+    cache: dict[int, dict[str, dict]] = {}
 
     def run(ep: int, *flags: str) -> dict:
-        key = (ep, *flags)
-        if key not in cache:
-            out = out_dir / f"ep{ep}{''.join(flags).replace('-', '_').replace('.', '_')}.pt"
-            proc = run_torchrun(ep, WORKER, str(ckpt), "kimi_k2", str(ep), str(out), "--grads", *flags)
+        if ep not in cache:
+            out = out_dir / f"ep{ep}.pt"
+            proc = run_torchrun(ep, WORKER, str(ckpt), "kimi_k2", str(ep), str(out), *(f"--grads {v}" for v in VARIANTS))
             assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[key] = torch.load(out)
-        return cache[key]
+            cache[ep] = dict(zip(VARIANTS, torch.load(out), strict=True))
+        variant = " ".join(flags)
+        assert variant in cache[ep], f"{variant!r} is not in VARIANTS"
+        return cache[ep][variant]
 
     return run
 

@@ -12,22 +12,37 @@ from tests.conftest import ROOT, VENV_BIN, losses_from_log, run_torchrun
 TORCHTITAN = str(VENV_BIN / "torchtitan")
 
 
-def _logits(tmp_path, ckpt, model, ep, *flags):
-    out = tmp_path / f"logits_ep{ep}{''.join(flags)}.pt"
-    proc = run_torchrun(ep, str(ROOT / "tests/integration/ep_logits_worker.py"), str(ckpt), model, str(ep), str(out), *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+# The worker's flag sets per (model, EP degree) the tests below need: one torchrun run computes them all.
+WORKER_VARIANTS = {("kimi_k2", 1): ("",), ("kimi_k2", 2): ("", "--replay"), ("glm5", 1): ("",), ("glm5", 2): ("",)}
+
+
+@pytest.fixture(scope="module")
+def worker_logits(tiny_checkpoint, tmp_path_factory):
+    """worker_logits(model, ep, flags="") -> the worker's logits of the fixed batch (init scale 0.1)."""
+    out_dir = tmp_path_factory.mktemp("ep_logits")
+    cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def run(model: str, ep: int, flags: str = "") -> torch.Tensor:
+        if (model, ep) not in cache:
+            variants = WORKER_VARIANTS[model, ep]
+            out = out_dir / f"{model}_ep{ep}.pt"
+            proc = run_torchrun(ep, str(ROOT / "tests/integration/ep_logits_worker.py"),
+                                str(tiny_checkpoint(model, 0.1)), model, str(ep), str(out), *variants)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[model, ep] = dict(zip(variants, torch.load(out), strict=True))
+        return cache[model, ep][flags]
+
+    return run
 
 
 @pytest.mark.parametrize("model", ["kimi_k2", "glm5"])
-def test_expert_parallel_2_gives_the_same_logits_as_ep_1(tiny_checkpoint, tmp_path, model):
-    ckpt = tiny_checkpoint(model, 0.1)
-    ep1, ep2 = _logits(tmp_path, ckpt, model, 1), _logits(tmp_path, ckpt, model, 2)
+def test_expert_parallel_2_gives_the_same_logits_as_ep_1(worker_logits, model):
+    ep1, ep2 = worker_logits(model, 1), worker_logits(model, 2)
     assert ep1.shape == ep2.shape and ep1.abs().max() > 0.1
     assert (ep1 - ep2).abs().max().item() <= 1e-5
 
 
-def test_replayed_loss_under_fsdp2_and_ep2_equals_single_process(tiny_checkpoint, tmp_path):
+def test_replayed_loss_under_fsdp2_and_ep2_equals_single_process(tiny_checkpoint, worker_logits):
     from tests.integration.ep_logits_worker import fixed_batch
     from titan_ext.checkpoint import load_hf_checkpoint
     from titan_ext.replay import moe_routers, replay_routing
@@ -39,7 +54,7 @@ def test_replayed_loss_under_fsdp2_and_ep2_equals_single_process(tiny_checkpoint
         single = model(tokens)
     assert min(r.disagreement for r in moe_routers(model) if r.disagreement is not None) > 0.9
     assert len(routers) == len(arch.moe_layer_ids)
-    distributed = _logits(tmp_path, ckpt, "kimi_k2", 2, "--replay")
+    distributed = worker_logits("kimi_k2", 2, "--replay")
 
     def loss(logits):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())

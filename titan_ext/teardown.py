@@ -1,0 +1,60 @@
+"""Ending a gloo job without an abort at interpreter exit.
+
+On torch 2.13 a finished gloo collective is released by its process group's worker thread
+after the caller has been woken, and releasing tensors that Python also holds takes the GIL.
+A process group, and its worker threads, live as long as something refers to it (a
+Trainer's device meshes do), so they may still be running when the interpreter finalizes:
+a worker that takes the GIL then is ended by Python inside a `noexcept` destructor
+(`~AsyncAllgatherWork`, or `~AsyncBarrierWork`, which holds the works queued before it), and
+that is `std::terminate`: "terminate called without an active exception", SIGABRT, no Python
+frame, after all work was done. A rank that goes straight from its last collective to exit
+hits it (rank 1 typically, while rank 0 still saves results or sleeps the 2 s TorchTitan's
+`Trainer.train` gives it). A barrier before `destroy_process_group` narrows the window but
+does not close it: the barrier's own work holds the collective before it.
+
+What closes it: destroy the groups together, then free them while the interpreter is alive.
+A process group's destructor releases the GIL, lets its workers finish and joins them; it
+runs once the last reference goes, so the objects that hold groups (the Trainer, its model
+and meshes) must be gone first: call this after the function that used them has returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+_destroy = dist.destroy_process_group  # torch's own, also while `together_on_destroy` replaces it
+
+
+def destroy_process_group_together() -> None:
+    """Barrier, `destroy_process_group()`, then collect the garbage that still holds process
+    groups (joining their worker threads now, not during interpreter finalization). Nothing
+    when no group is initialized."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    _destroy()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def together_on_destroy() -> Iterator[None]:
+    """Within the block, `torch.distributed.destroy_process_group()` (no arguments) is
+    `destroy_process_group_together()`: for code we run but do not own (TorchTitan's
+    `train.main`, whose Trainer is garbage by the time it destroys the groups)."""
+
+    def destroy(group=None):
+        if group is None:
+            destroy_process_group_together()
+        else:
+            _destroy(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = _destroy
