@@ -88,6 +88,21 @@ class InferenceConfig:
         "CPU cores of the managed replicas, e.g. '2-3' (split between replicas when there are enough); "
         "'auto': the cores the trainer does not get; '' (--set inference.cpus=): no pinning",
     )
+    kv_pool: Literal["off", "mooncake"] = knob(
+        "off", "'mooncake': the managed replicas pool KV (and its routing rows) in one Mooncake store, whose "
+               "mooncake_master moerl starts and stops; a prefix computed on one replica is reused by every other")
+    kv_pool_host: StrictStr = knob("127.0.0.1", "address the mooncake_master's RPC and metrics servers listen on",
+                                   min_length=1)
+    kv_pool_rpc_port: Port = knob(18551, "mooncake_master RPC port")
+    kv_pool_metrics_port: Port = knob(18552, "mooncake_master metrics port")
+    kv_pool_segment_gib: StrictFloat = knob(0.25, "memory each managed replica lends the KV pool (CPU RAM)", gt=0)
+
+    @model_validator(mode="after")
+    def _pool_has_replicas(self) -> InferenceConfig:
+        if self.kv_pool != "off" and self.replicas == 0:
+            raise ValueError(f"kv_pool = '{self.kv_pool}' pools the KV of managed replicas; set inference.replicas "
+                             "to 1 or more, or kv_pool = 'off' with inference.endpoints")
+        return self
 
 
 @dataclass(config=CONFIG)

@@ -39,6 +39,7 @@ from .advantages import group_advantages
 from .batch import Batch, ModelShape, Sample, pack, reason_kind
 from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
+from .kv_pool import MooncakeMaster, MooncakePool, connector_args
 from .replicas import Replica, checkpoint_context, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .llmd import LlmdRouter
@@ -80,6 +81,7 @@ class Orchestrator:
         self.rng = random.Random(config.seed)
         self.replicas: list[Replica] = []
         self.trainer_proc: subprocess.Popen | None = None
+        self.kv_master: MooncakeMaster | None = None
         self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
         self.weight_sync = weight_sync
         self.placement = for_config(config)
@@ -134,10 +136,11 @@ class Orchestrator:
             if not self.replicas:
                 raise ValueError("inference.replicas = 0 needs inference.endpoints")
             return
+        extra, env = self.start_kv_pool()
         self.replicas = [
             start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
                           dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
-                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager,
+                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra, env=env,
                           cpus=self.placement.replicas[i] if self.placement else None)
             for i in range(c.replicas)
         ]
@@ -147,6 +150,17 @@ class Orchestrator:
             for r in self.replicas:
                 self.weight_sync(r, path, version)
                 r.policy_version = version
+
+    def start_kv_pool(self) -> tuple[list[str], dict[str, str]]:
+        """Start the mooncake_master when the replicas pool KV; the replicas' vLLM arguments and environment."""
+        c = self.cfg.inference
+        if c.kv_pool == "off":
+            return [], {}
+        pool = MooncakePool(host=c.kv_pool_host, rpc_port=c.kv_pool_rpc_port, metrics_port=c.kv_pool_metrics_port,
+                            segment_gib=c.kv_pool_segment_gib)
+        self.kv_master = MooncakeMaster(pool, self.run_dir / "kv_pool")
+        self.kv_master.start()
+        return connector_args(pool, self.kv_master.config_path)
 
     # ------------------------------------------------------------------ per step
 
@@ -335,6 +349,8 @@ class Orchestrator:
         finally:
             for r in self.replicas:
                 stop_replica(r)
+            if self.kv_master is not None:
+                self.kv_master.stop()
             if self.trainer_proc is not None and self.trainer_proc.poll() is None:
                 os.killpg(self.trainer_proc.pid, signal.SIGTERM)
                 self.trainer_proc.wait(60)

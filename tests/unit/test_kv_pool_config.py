@@ -1,0 +1,36 @@
+"""`moerl rl`'s KV pool settings: the master's command and the replicas' connector, refused where they cannot work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_loop.config import ConfigError, RLConfig
+from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
+
+
+def test_pool_without_managed_replicas_is_a_one_line_error(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text("")
+    with pytest.raises(ConfigError) as e:
+        RLConfig.from_toml(path, {"inference.kv_pool": "mooncake", "inference.replicas": 0})
+    assert str(e.value) == ("inference: kv_pool = 'mooncake' pools the KV of managed replicas; set "
+                            "inference.replicas to 1 or more, or kv_pool = 'off' with inference.endpoints")
+    with pytest.raises(ConfigError, match="^inference.kv_pool: Input should be 'off' or 'mooncake', got 'redis'$"):
+        RLConfig.from_toml(path, {"inference.kv_pool": "redis"})
+
+
+def test_master_and_replicas_listen_where_the_config_says(tmp_path):
+    pool = MooncakePool(host="127.0.0.1", rpc_port=9551, metrics_port=9552, segment_gib=0.5)
+    master = MooncakeMaster(pool, tmp_path)
+    cmd = master.command()
+    assert {"-rpc_address=127.0.0.1", "-rpc_port=9551", "-metrics_host=127.0.0.1", "-metrics_port=9552",
+            "-enable_http_metadata_server=false"} <= set(cmd)
+    client = json.loads(master.write_client_config().read_text())
+    assert client["master_server_address"] == "127.0.0.1:9551" and client["protocol"] == "tcp"
+    assert client["global_segment_size"] == "512MB"
+    args, env = connector_args(pool, master.config_path)
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "vllm_ext.kv_pool" and kv["kv_role"] == "kv_both"
+    assert env == {"MOONCAKE_CONFIG_PATH": str(master.config_path), "VLLM_HOST_IP": "127.0.0.1"}
