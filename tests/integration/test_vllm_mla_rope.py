@@ -11,6 +11,7 @@ applies the patch) vLLM is at that floor; the same server with the patch left of
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import urllib.request
 
@@ -42,27 +43,39 @@ def plain_rope_mla(tmp_path_factory):
     return dst
 
 
-def _greedy(ckpt, tmp_path, env=None) -> list[tuple[list[int], list[int], list[float]]]:
+def _greedy(ckpt, tmp_path, envs: dict[str, dict | None]) -> dict[str, list[tuple[list[int], list[int], list[float]]]]:
+    """Greedy completions of the same prompts from one server per entry of `envs` (its environment),
+    all started together, each on a core of its own so that their start-ups overlap without
+    contending for threads; the requests go to one server at a time, one by one."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     prompts = [tok(f"{i * 37 % 1000} + {i * 91 % 1000} = the answer is")["input_ids"] for i in range(NUM_PROMPTS)]
-    replica = start_replica("mla", ckpt, PORT, tmp_path, dtype="bfloat16", max_num_seqs=16, env=env)
+    cores = sorted(os.sched_getaffinity(0))
+    replicas = {}
     try:
-        wait_healthy([replica], timeout_s=900)
-        name = served_model_name(replica)
-        out = []
-        for p in prompts:
-            body = {"model": name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
-                    "return_tokens_as_token_ids": True, "ignore_eos": True}
-            req = urllib.request.Request(replica.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                lp = json.loads(resp.read())["choices"][0]["logprobs"]
-            out.append((p, [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]))
-        return out
+        for i, (label, env) in enumerate(envs.items()):
+            replicas[label] = start_replica(label, ckpt, PORT + i, tmp_path, dtype="bfloat16", max_num_seqs=16,
+                                            env=env, cpus=(cores[i % len(cores)],))
+        wait_healthy(list(replicas.values()), timeout_s=900)
+        return {label: _complete_each(replica, prompts) for label, replica in replicas.items()}
     finally:
-        stop_replica(replica)
+        for replica in replicas.values():
+            stop_replica(replica)
+
+
+def _complete_each(replica, prompts) -> list[tuple[list[int], list[int], list[float]]]:
+    name = served_model_name(replica)
+    out = []
+    for p in prompts:
+        body = {"model": name, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
+                "return_tokens_as_token_ids": True, "ignore_eos": True}
+        req = urllib.request.Request(replica.base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            lp = json.loads(resp.read())["choices"][0]["logprobs"]
+        out.append((p, [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]))
+    return out
 
 
 def _transformers_logprobs(ckpt, samples, dtype):
@@ -80,7 +93,8 @@ def _transformers_logprobs(ckpt, samples, dtype):
 
 
 def test_plain_rope_mla_served_by_vllm_cpu_matches_transformers_to_bf16_floor(plain_rope_mla, tmp_path):
-    served = _greedy(plain_rope_mla, tmp_path / "patched")
+    runs = _greedy(plain_rope_mla, tmp_path, {"patched": None, "unpatched": {"MOERL_VLLM_CPU_MLA_ROPE": "0"}})
+    served = runs["patched"]
     vllm_lp = torch.tensor([x for _, _, lp in served for x in lp], dtype=torch.float64)
     hf32, hf32_agree = _transformers_logprobs(plain_rope_mla, served, torch.float32)
     hf16, hf16_agree = _transformers_logprobs(plain_rope_mla, served, torch.bfloat16)
@@ -92,7 +106,7 @@ def test_plain_rope_mla_served_by_vllm_cpu_matches_transformers_to_bf16_floor(pl
     assert hf32_agree >= min(0.9, hf16_agree)
 
     # The same server with the patch left off runs the buggy kernel: far off.
-    unpatched = _greedy(plain_rope_mla, tmp_path / "unpatched", env={"MOERL_VLLM_CPU_MLA_ROPE": "0"})
+    unpatched = runs["unpatched"]
     bad_lp = torch.tensor([x for _, _, lp in unpatched for x in lp], dtype=torch.float64)
     bad32, bad_agree = _transformers_logprobs(plain_rope_mla, unpatched, torch.float32)
     k3_bad = mismatch_k3(bad32, bad_lp).mean().item()
