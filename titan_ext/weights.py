@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, quantize, scale_shape
 
-__all__ = ["layer_groups", "hf_metadata", "iter_hf_state", "iter_hf_weights", "drain", "adapter_for"]
+__all__ = ["layer_groups", "hf_metadata", "iter_hf_state", "iter_hf_weights", "drain", "adapter_for", "OwnedSlice",
+           "owned_hf_slices", "read_owned"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -168,3 +170,76 @@ def drain(model: torch.nn.Module, **kw) -> None:
     """Take part in the gathers without keeping anything (non-sending ranks)."""
     for _ in iter_hf_weights(model, **kw):
         pass
+
+
+# ----------------------------------------------------------------------------- sharded export
+
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dim of the global (HF) tensor
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """What this rank holds of HF tensor ``name`` (global ``shape``): ``box``, read from
+    titan tensor ``source`` (expert ``expert`` of a grouped-experts tensor, else None)."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: Box
+    source: str
+    expert: int | None = None
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """(this rank's local tensor, its box in the global tensor); no communication."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, tuple((0, int(n)) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape))
+
+
+def owned_hf_slices(model: torch.nn.Module, *, adapter=None) -> list[OwnedSlice]:
+    """This rank's slices of every HF tensor, in ``iter_hf_weights`` order, without gathering.
+
+    FSDP2 and expert parallel shard titan tensors on dim 0: a 2-D weight's shard is a row
+    block of the HF tensor (the adapter renames it, same layout), a grouped-experts shard is
+    whole experts (the adapter splits experts into HF tensors of their own). Ranks holding
+    replicas of the same bytes all list them; the planner picks one sender."""
+    adapter = adapter or adapter_for(model)
+    sd = _state(model)
+    out: list[OwnedSlice] = []
+    for names in layer_groups(list(sd)):
+        for n in names:
+            local, box = _local_box(sd[n].detach())
+            if local.numel() == 0:
+                continue
+            hf = adapter.to_hf({n: _meta(sd[n])})
+            if len(hf) == 1:
+                (k, v), = hf.items()
+                if tuple(v.shape) != tuple(sd[n].shape):
+                    raise NotImplementedError(f"{n} -> {k}: reshaped on export; sharded export cannot slice it")
+                out.append(OwnedSlice(k, tuple(sd[n].shape), box, n))
+                continue
+            if len(hf) != sd[n].shape[0]:
+                raise NotImplementedError(f"{n}: {len(hf)} HF tensors for dim 0 of {list(sd[n].shape)}")
+            for e, (k, v) in enumerate(hf.items()):
+                if box[0][0] <= e < box[0][1]:
+                    out.append(OwnedSlice(k, tuple(v.shape), box[1:], n, e))
+    return out
+
+
+@torch.no_grad()
+def read_owned(model_state: Mapping[str, torch.Tensor], s: OwnedSlice, box: Box,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sub-box ``box`` (global coordinates, inside ``s.box``) of an owned slice, as a
+    contiguous CPU tensor in ``dtype``: only that piece is copied."""
+    local, lbox = _local_box(model_state[s.source].detach())
+    if s.expert is not None:
+        local, lbox = local[s.expert - lbox[0][0]], lbox[1:]
+    idx = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(box, lbox))
+    piece = local[idx] if idx else local
+    return piece.to(device="cpu", dtype=_wire_dtype(piece, dtype)).contiguous()

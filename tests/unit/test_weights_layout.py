@@ -74,7 +74,9 @@ def test_weights_package_import_graph_is_acyclic():
     assert w["format"] == set() and w["channel"] == set()
     assert w["wire"] == {"format"} and w["shm"] == {"format"}
     assert w["stream"] == {"format", "shm", "channel"}
-    assert w["engine"] == {"format", "wire", "stream"}
+    assert w["plan"] == set()  # the resharding plan: shapes and layouts only
+    assert w["sharded"] == {"format", "plan", "shm", "stream"}
+    assert w["engine"] == {"format", "wire", "stream", "plan", "sharded"}
     assert w["client"] == {"wire", "stream", "shm"}  # function-level imports: seen
     assert w[PACKAGE] == {"api"}  # `from . import api` inside register()
 

@@ -18,7 +18,7 @@ import torch
 from vllm_ext.weights import shm
 from vllm_ext.weights.shm import RingShape, RingWriter, ShmRing, choose, sweep
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, check_against
-from vllm_ext.weights.stream import StreamReceiver, StreamSender, stream_receive, unit_plan
+from vllm_ext.weights.stream import StreamReceiver, StreamSender, UpdateRefused, stream_receive, unit_plan
 from vllm_ext.weights.wire import COMMIT_MARKER, read_fs, write_fs
 
 
@@ -165,7 +165,8 @@ def test_stream_shape_mismatch_drains_then_refuses(shm_shape):
     expected = {k: TensorMeta.of(k, v) for k, v in items}
     expected["model.layers.1.w"] = TensorMeta("model.layers.1.w", "float32", (40, 1000))
     (res, _, err, _), = _stream([(5, items)], expected, shm_shape=shm_shape)
-    assert res[0] == "err" and "model.layers.1.w: update [1000, 40], model [40, 1000]" in res[1] and err is None
+    assert res[0] == "err" and "model.layers.1.w: update [1000, 40], model [40, 1000]" in res[1]
+    assert isinstance(err, UpdateRefused), "the sender learns of the refusal at the close"
 
 
 def test_shm_corrupted_piece_is_refused_and_next_update_succeeds(monkeypatch):

@@ -7,6 +7,7 @@ call carries one complete update::
     {"transport": "fs", "path": DIR, "version": N}
     {"transport": "stream", "version": N, "addr": ..., "port": ..., "rank": R, "world_size": W,
      "session": ..., "sender": ..., "shm": {...} or None}   # StreamSender.update_info(R, N)
+    {"transport": "sharded", "version": N, "workers": [[info from each trainer rank] per TP rank]}
 
 The call receives everything into staging memory, checks it against the served
 model's checkpoint layout (every name present, no extra, shapes equal), and
@@ -16,6 +17,11 @@ weight loaders, then each layer's ``process_weights_after_loading``; with
 applying leaves the model untouched; a failure while applying restores a
 snapshot taken just before. Either way the call raises a
 ``WeightUpdateError`` and the previous weights keep serving.
+
+``sharded`` (``sharded.py``) is the bounded one: each TP worker receives only its
+boxes, from every trainer rank at once, verifies them all in a first pass, then
+applies them tensor by tensor in a second; no staging of the version, no snapshot.
+The worker logs its peak extra resident memory during the update (``peak extra``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .format import TensorMeta, WeightUpdateError
+from .plan import TpRules, vllm_tp_box
+from .sharded import ShardedReceiver
 from .stream import StreamReceiver
 from .wire import read_fs
 
@@ -58,6 +66,7 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
     session: str | None = None
     sender: str | None = None
     shm: dict | None = None  # the sender's shared-memory ring offer (shm.py)
+    workers: list | None = None  # sharded: per TP rank, one StreamSender.update_info per trainer rank
     rollback: bool = True
 
 
@@ -104,6 +113,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
             logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",
                            self.model_config.model)
         self.receiver = StreamReceiver()  # buffers, gloo groups and ring kept between updates
+        self.sharded = ShardedReceiver()
         self.last: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------
@@ -125,11 +135,15 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
 
     def shutdown(self) -> None:
         self.receiver.close()
+        self.sharded.close()
 
     # -- the update ----------------------------------------------------------
 
     def receive_weights(self, info: MoerlUpdateInfo) -> None:
         t0 = time.perf_counter()
+        if info.transport == "sharded":
+            self._receive_sharded(info)
+            return
         if info.transport == "fs":
             if not info.path:
                 raise WeightUpdateError("fs update needs 'path'")
@@ -145,7 +159,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                 version=info.version, expected=self.expected,
             )
         else:
-            raise WeightUpdateError(f"unknown transport {info.transport!r} (use 'fs' or 'stream')")
+            raise WeightUpdateError(f"unknown transport {info.transport!r} (use 'fs', 'stream' or 'sharded')")
         t1 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         self._apply(items, rollback=info.rollback)
@@ -153,6 +167,43 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         self.last.update(version=version, bytes=nbytes, receive_s=t1 - t0, apply_s=t2 - t1, transport=info.transport)
         logger.info("moerl weights: version %s applied (%s, %.1f MB, receive %.3fs, apply %.3fs)",
                     version, info.transport, nbytes / 1e6, t1 - t0, t2 - t1)
+
+    def _tp(self) -> tuple[int, int]:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        if self.parallel_config.pipeline_parallel_size != 1:
+            raise WeightUpdateError("sharded transport: pipeline parallel replicas are not supported (use 'fs')")
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+    def _receive_sharded(self, info: MoerlUpdateInfo) -> None:
+        if self.expected is None:
+            raise WeightUpdateError("sharded transport needs the server started from a local safetensors checkpoint")
+        tp, rank = self._tp()
+        if not info.workers or len(info.workers) != tp:
+            raise WeightUpdateError(f"sharded update names {len(info.workers or [])} workers, this replica has TP {tp}")
+        rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
+        needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.expected.items()}
+        t0 = time.perf_counter()
+        rss0 = _reset_peak_rss()
+        nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load, version=info.version)
+        extra = _peak_rss() - rss0
+        dt = time.perf_counter() - t0
+        self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
+        logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %.1f MB, %.3fs, "
+                    "peak extra %d bytes)", info.version, rank, tp, len(info.workers[rank]), nbytes / 1e6, dt, extra)
+
+    @torch.no_grad()
+    def _load(self, items) -> None:
+        """vLLM's layerwise reload over an iterator (the fresh-load path), no snapshot."""
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        try:
+            with disable_mtp_completeness_check():
+                self.model.load_weights(items)
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     @torch.no_grad()
     def _apply(self, items: list[tuple[str, torch.Tensor]], *, rollback: bool) -> None:
@@ -177,6 +228,26 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                         live.copy_(saved)
                 raise WeightUpdateError(f"applying the update failed, previous weights restored: {exc}") from exc
             raise WeightUpdateError(f"applying the update failed (no rollback snapshot): {exc}") from exc
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark of this process (Linux); the resident bytes now."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_kb("VmRSS") * 1024
+
+
+def _peak_rss() -> int:
+    return _status_kb("VmHWM") * 1024
 
 
 def _live_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -438,10 +438,11 @@ class RingWriter:
 
 
 def read_ring(ring: ShmRing, reader: int, sizes: Sequence[int], bufs: Sequence[torch.Tensor] | None,
-              watch) -> str | None:
+              watch, on_unit: Callable[[int], str | None] | None = None) -> str | None:
     """Receiver side of one update: copy every piece into ``bufs`` (one flat uint8
     buffer per unit) and verify it; ``bufs=None`` drains (acknowledges without
-    copying). Returns why the update must be refused (the first corrupted piece,
+    copying). ``on_unit(u)`` runs once unit u is whole and every piece of it verified,
+    and may refuse (same as a corrupted piece). Returns why the update must be refused (the first corrupted piece,
     after which it stops copying but keeps draining so the sender finishes; or
     the sender's abort), else None. Raises WeightUpdateError if the sender is lost."""
     consumed = ring.consumed[reader]
@@ -461,6 +462,8 @@ def read_ring(ring: ShmRing, reader: int, sizes: Sequence[int], bufs: Sequence[t
             elif digest(dst_views[u][off:off + n]) != want:  # the copy, not the slot: what is applied is checked
                 corrupt = (f"checksum mismatch in piece {seq} (unit {u}, bytes {off}..{off + n}): "
                            "corrupted in shared memory")
+            if corrupt is None and on_unit is not None and off + n == sizes[u]:
+                corrupt = on_unit(u)
         consumed.value = seq + 1
         _futex_wake(ctypes.addressof(consumed))
     return corrupt

@@ -20,15 +20,15 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from .channel import ReceiverChannel, SenderChannel
-from .format import FORMAT, TensorMeta, WeightUpdateError, check_against, digest, dtype_name, dtype_of
+from .format import FORMAT, TensorMeta, WeightUpdateError, check_against, digest, dtype_name, dtype_of, hasher
 from .shm import RingShape, ShmRing, choose, read_ring, sweep
 
-__all__ = ["StreamSender", "StreamReceiver", "StagingCache", "stream_receive", "unit_plan"]
+__all__ = ["StreamSender", "StreamReceiver", "StagingCache", "UpdateRefused", "stream_receive", "unit_plan"]
 
 logger = logging.getLogger("vllm_ext.weights")
 
@@ -82,12 +82,29 @@ def _bcast(pg, t: torch.Tensor) -> None:
     pg.broadcast(t, 0).wait()
 
 
+_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+def unit_digest(parts: Iterable[torch.Tensor]) -> int:
+    """The transports' hash over a unit's tensors' bytes in order (padding excluded), as a
+    non-negative int64: both ends compute it, so any unit can be checked before it is used."""
+    h = hasher()[1]()
+    for t in parts:
+        h.update(memoryview(_bytes_view(t).numpy()))
+    return int(h.hexdigest(), 16) & _MASK
+
+
+class UpdateRefused(WeightUpdateError):
+    """A receiver refused the update after a clean close (mismatch, corruption): the
+    sender's channel stays usable."""
+
+
 LANE_NET, LANE_SHM = 1, 2
 LANES = {LANE_NET: "net", LANE_SHM: "shm"}
 
 
 def _trailer(total: int, manifest: bytes, aborted: bool) -> torch.Tensor:
-    return torch.tensor([total, int(digest(manifest), 16) & 0x7FFFFFFFFFFFFFFF, int(aborted)], dtype=torch.int64)
+    return torch.tensor([total, int(digest(manifest), 16) & _MASK, int(aborted)], dtype=torch.int64)
 
 
 class _NetLane:
@@ -162,57 +179,76 @@ class StreamSender:
         return f"{int(version)}-{self._sends}"
 
     def send(self, metas: list[TensorMeta], tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
-             version: int) -> int:
-        """Send one update; tensors must come in metas order (lazily is fine). Any
-        failure drops the gloo groups (the next update rebuilds them everywhere)."""
+             version: int, *, session: str | None = None, extra: dict | None = None) -> int:
+        """Send one update; tensors must come in metas order (lazily is fine). ``session``
+        names a pass of a multi-pass update (default: the update's own, from ``update_info``);
+        ``extra`` rides in the manifest. Raises ``UpdateRefused`` when a receiver refused the
+        update at its close; any other failure drops the gloo groups (the next update
+        rebuilds them everywhere)."""
         try:
-            return self._send(metas, tensors, version, self._session(version))
+            return self._send(metas, tensors, version, session or self._session(version), extra or {})
+        except UpdateRefused:
+            raise
         except BaseException:
             self.channel.drop()
             raise
         finally:
-            self._sends += 1
+            if session is None:
+                self._sends += 1
 
-    def _send(self, metas: list[TensorMeta], tensors: Iterable, version: int, session: str) -> int:
+    def next_session(self) -> None:
+        """Move on to the next update's session (after the passes of a multi-pass update)."""
+        self._sends += 1
+
+    def _send(self, metas: list[TensorMeta], tensors: Iterable, version: int, session: str, extra: dict) -> int:
         if self.ring is not None:
             self.ring.reset()
-        manifest = json.dumps({"format": FORMAT, "version": int(version), "bucket_bytes": self.bucket_bytes,
+        manifest = json.dumps({**extra, "format": FORMAT, "version": int(version), "bucket_bytes": self.bucket_bytes,
                                "streams": self.streams, "tensors": [m.to_json() for m in metas]}).encode()
         votes = self.channel.open(session, manifest)
         groups = self.channel.groups
         self.lanes = {r: LANES[v] for r, v in enumerate(votes) if r}
         net = [r for r in range(1, self.world_size) if votes[r] == LANE_NET]
         readers = [r - 1 for r in range(1, self.world_size) if votes[r] == LANE_SHM]
-        # posted now, completed by the receivers at their end: the ring's failure detector
-        watch = groups.done.barrier() if readers else None
+        # posted now, completed by the receivers at their end: the ring's failure detector;
+        # it sums the receivers' refusals
+        refused = torch.zeros(1, dtype=torch.int64)
+        watch = groups.done.allreduce([refused])
         ring = self.ring.writer(readers, watch) if readers else None
         net_lane = _NetLane(self.channel.net(net, self.streams), self._buckets) if net else None
         lanes = [lane for lane in (ring, net_lane) if lane]
         units = unit_plan(metas, self.bucket_bytes)
         trailer = _trailer(sum(_unit_bytes(metas, u) for u in units), manifest, aborted=False)
+        digests = torch.zeros(len(units), dtype=torch.int64)
         it: Iterator = iter(tensors)
-        sent = None  # the trailer's broadcast, once posted
+        sent = None  # the trailer's and the digests' broadcasts, once posted
         try:
-            for unit in units:
+            for k, unit in enumerate(units):
                 parts = [(off, _bytes_view(_next_tensor(it, metas[i]))) for i, off in unit]
+                digests[k] = unit_digest(t for _, t in parts)
                 for lane in lanes:
                     lane.put(parts, _unit_bytes(metas, unit))
             if net_lane:
                 net_lane.finish()
             # every piece is out: ring readers may see the trailer while they copy the last ones
-            sent = groups.ctl.broadcast(trailer, 0)
+            sent = [groups.ctl.broadcast(trailer, 0), groups.ctl.broadcast(digests, 0)]
             if ring:
                 ring.finish()
-            sent.wait()
+            for w in sent:
+                w.wait()
         except BaseException:
-            if ring:  # release the ring's readers: they close the update, then the barrier completes
+            if ring:  # release the ring's readers: they close the update, then the watch completes
                 ring.abort()
                 with contextlib.suppress(Exception):
-                    (sent or groups.ctl.broadcast(_trailer(-1, manifest, aborted=True), 0)).wait()
+                    for w in sent or [groups.ctl.broadcast(_trailer(-1, manifest, aborted=True), 0),
+                                      groups.ctl.broadcast(digests, 0)]:
+                        w.wait()
                     watch.wait()
             raise
-        (watch or groups.done.barrier()).wait()
+        watch.wait()
         self.channel.forget(session)
+        if int(refused[0]):
+            raise UpdateRefused(f"stream: {int(refused[0])} receiver(s) refused the update (see their errors)")
         return int(trailer[0])
 
     def close(self) -> None:
@@ -297,14 +333,24 @@ class StreamReceiver:
     def receive(
         self, *, addr: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0,
         session: str | None = None, sender: str | None = None, shm: dict | None = None,
-        version: int | None = None, expected: dict[str, TensorMeta] | None = None, **_ignored,
-    ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        version: int | None = None, expected: dict[str, TensorMeta] | None = None,
+        on_unit: Callable | None = None, check: Callable[[dict], str | None] | None = None,
+        expect: list[int] | None = None, **_ignored,
+    ) -> tuple[int, list[tuple[str, torch.Tensor]]] | tuple[int, dict, list[int]]:
         """One update: (version, [(name, tensor)] in manifest order).
 
         The manifest is checked against ``expected`` before any weight bytes are
         accepted; a mismatch still drains the stream (so the sender finishes) and
         then raises, as does a corrupted piece on the ring. A failure in the middle
-        of the protocol (sender lost, timeout) also drops the channel and the ring."""
+        of the protocol (sender lost, timeout) also drops the channel and the ring.
+
+        Streaming mode (``on_unit`` given): nothing is kept beyond two unit buffers;
+        each unit, once whole and hashed (and equal to ``expect[u]`` when given), is
+        passed to ``on_unit(u, [(meta, tensor view)])``, which copies what it needs and
+        returns None or why the update must be refused (later units are then drained).
+        ``check(manifest)`` replaces the ``expected`` check. Returns (version, manifest,
+        unit digests); the digests were compared with the sender's."""
+        streaming = on_unit is not None
         port, rank, world_size = int(port), int(rank), int(world_size)
         ring = self._lane(shm, rank - 1)
         key = (addr, port, rank, world_size, sender)
@@ -325,7 +371,11 @@ class StreamReceiver:
             metas = [TensorMeta.from_json(m) for m in manifest["tensors"]]
             mismatch: WeightUpdateError | None = None
             try:
-                check_against(metas, expected)
+                if streaming:
+                    if (why := check(manifest) if check else None) is not None:
+                        raise WeightUpdateError(why)
+                else:
+                    check_against(metas, expected)
                 if version is not None and int(manifest["version"]) != int(version):
                     raise WeightUpdateError(f"stream: sender sends version {manifest['version']}, "
                                             f"update asked for {version}")
@@ -334,27 +384,53 @@ class StreamReceiver:
             units = unit_plan(metas, int(manifest["bucket_bytes"]))
             sizes = [_unit_bytes(metas, u) for u in units]
             trailer = torch.empty(3, dtype=torch.int64)
+            sent_digests = torch.empty(len(units), dtype=torch.int64)
+            got_digests: list[int] = []
             refusal = None
+            use = streaming and mismatch is None
+
+            def unit_done(u: int, buf: torch.Tensor) -> str | None:
+                """Hash a whole unit; in streaming mode hand it on."""
+                views = [(metas[i], buf[off:off + metas[i].nbytes].view(dtype_of(metas[i].dtype))
+                          .reshape(metas[i].shape)) for i, off in units[u]]
+                got_digests.append(unit_digest(t for _, t in views))
+                if expect is not None and (u >= len(expect) or got_digests[-1] != expect[u]):
+                    return f"unit {u} differs from the one verified before (sender changed or corrupted it)"
+                return on_unit(u, views)
+
+            ways = 2 if streaming else 1
             if ring is not None:
                 watch = ch.groups.ctl.broadcast(trailer, 0)  # completes at the sender's end, fails if it dies
-                bufs = None if mismatch is not None else self.staging.buffers(sizes)
-                refusal = read_ring(ring, rank - 1, sizes, bufs, watch)
+                bufs = None if mismatch is not None else (
+                    self.staging.buffers(sizes, scratch=True, ways=ways) if streaming else self.staging.buffers(sizes))
+                refusal = read_ring(ring, rank - 1, sizes, bufs, watch,
+                                    on_unit=(lambda u: unit_done(u, bufs[u])) if use else None)
                 watch.wait()
             else:
                 pgs = ch.net([r for r in range(1, world_size) if votes[r] == LANE_NET], int(manifest["streams"]))
-                bufs = self.staging.buffers(sizes, scratch=mismatch is not None, ways=len(pgs))
+                bufs = self.staging.buffers(sizes, scratch=mismatch is not None or streaming,
+                                            ways=max(len(pgs), ways) if streaming else len(pgs))
                 for w0 in range(0, len(units), len(pgs)):
                     works = [pg.broadcast(bufs[w0 + k], 0) for k, pg in enumerate(pgs) if w0 + k < len(units)]
                     for w in works:
                         w.wait()
+                    for u in range(w0, min(w0 + len(pgs), len(units))):
+                        if use and refusal is None:
+                            refusal = unit_done(u, bufs[u])
                 _bcast(ch.groups.ctl, trailer)
-            done = ch.groups.done.barrier()  # completes the sender's watch; waited for after the checks
+            _bcast(ch.groups.ctl, sent_digests)
             error = _verdict(trailer, sum(sizes), manifest_bytes, refusal, mismatch)
-            items = None if error else [(m.name, t) for m, t in zip(metas, _tensors(metas, units, bufs))]
+            if error is None and use and got_digests != sent_digests.tolist():
+                error = WeightUpdateError("stream: unit checksum mismatch (corrupted in transit)")
+            flag = torch.tensor([int(error is not None)], dtype=torch.int64)
+            done = ch.groups.done.allreduce([flag])  # completes the sender's watch with this verdict
+            items = None if error or streaming else [(m.name, t) for m, t in zip(metas, _tensors(metas, units, bufs))]
             done.wait()
             closed = True
             if error:
                 raise error
+            if streaming:
+                return int(manifest["version"]), manifest, got_digests
             return int(manifest["version"]), items
         except Exception as exc:
             if not closed:  # the protocol broke: start afresh with this sender next time

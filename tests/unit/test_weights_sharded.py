@@ -1,0 +1,83 @@
+"""The sharded transport (vllm_ext.weights.sharded): two trainer ranks -> one TP worker.
+
+Each rank holds an FSDP2 row block of every tensor and sends only its pieces of the
+worker's TP box, both passes; the worker assembles its box exactly (bit for bit),
+refuses a layout mismatch before applying anything, and keeps only bounded memory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
+from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard
+from vllm_ext.weights.shm import RingShape
+from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
+
+RANKS = 2
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    shapes = {"model.embed_tokens.weight": (128, 32), "model.layers.0.self_attn.o_proj.weight": (32, 64),
+              "model.layers.0.mlp.gate_proj.weight": (64, 32), "model.layers.0.input_layernorm.weight": (32,)}
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def run(tp_rank: int, *, shm: RingShape | None, expected_shape=None, bucket_bytes=2048):
+    w = weights()
+    shapes = {n: tuple(t.shape) for n, t in w.items()}
+    needs_all = replica_needs(shapes, 2)
+    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
+    pieces = reshard(list(shapes), owned, [needs_all[tp_rank]])
+    senders = [ShardedSender(r, 1, timeout_s=30, bucket_bytes=bucket_bytes, shm=shm) for r in range(RANKS)]
+    infos = [s.update_infos(5)[0] for s in senders]
+    expected = {n: TensorMeta(n, "bfloat16", expected_shape if expected_shape and n.endswith("o_proj.weight") else s)
+                for n, s in shapes.items()}
+    errors, got = [], {}
+
+    def send(r):
+        try:
+            senders[r].send([p for p in pieces if p.sender == r],
+                            lambda p: w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous(),
+                            {n: dtype_name(t.dtype) for n, t in w.items()}, shapes, 5)
+        except WeightUpdateError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in range(RANKS)]
+    for t in threads:
+        t.start()
+    receiver = ShardedReceiver()
+    try:
+        receiver.receive(infos, needs_all[tp_rank], expected, lambda it: got.update((k, v.clone()) for k, v in it),
+                         version=5, budget=4096)
+        err = None
+    except WeightUpdateError as exc:
+        err = str(exc)
+    finally:
+        for t in threads:
+            t.join(60)
+        receiver.close()
+        for s in senders:
+            s.close()
+    return w, needs_all[tp_rank], got, err, errors, senders
+
+
+@pytest.mark.parametrize("shm", [RingShape(2, 4096), None], ids=["shm", "net"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_worker_gets_exactly_its_boxes_from_both_ranks(tp_rank, shm):
+    w, need, got, err, send_errors, _ = run(tp_rank, shm=shm)
+    assert err is None and not send_errors
+    assert sorted(got) == sorted(w)
+    for n, t in got.items():
+        idx = tuple(slice(a, b) for a, b in need[n])
+        assert t.shape == w[n].shape and torch.equal(t[idx], w[n][idx]), n
+
+
+def test_shape_mismatch_is_refused_in_the_verify_pass_and_nothing_applied():
+    _, _, got, err, send_errors, _ = run(0, shm=RingShape(2, 4096), expected_shape=(64, 32))
+    assert err and "mismatched: model.layers.0.self_attn.o_proj.weight: update [32, 64], model [64, 32]" in err
+    assert got == {}, "nothing reaches the model"
+    assert send_errors and all("refused" in e for e in send_errors)

@@ -1,0 +1,316 @@
+"""The sharded transport: every trainer rank streams its own pieces to every replica worker.
+
+A resharding plan (``plan.py``) says which trainer rank sends which box of which
+tensor to which replica worker (a vLLM TP rank). Each trainer rank keeps one
+``StreamSender`` per receiver worker (its own store, gloo groups and shared-memory
+ring: ``stream.py``), and all ranks and all workers run at once, so the bytes move
+over as many lanes in parallel as there are (rank, worker) pairs, and no rank ever
+holds more than the piece it is sending.
+
+An update is two passes over the same pieces, both bounded by two units per lane
+on the receiver:
+
+1. **verify**: the worker receives every unit, hashes it, checks the hashes
+   against the sender's and the pieces against its own layout (every box of every
+   tensor it loads covered exactly once, nothing else), and keeps nothing. A
+   refusal ends the update for that sender at its close; nothing was applied.
+2. **apply**: the same pieces again, each unit checked against its hash from
+   pass 1 before a byte of it is used, assembled into this worker's tensors and
+   handed to vLLM's layerwise reload as each tensor completes.
+
+So a sender killed, a corrupted unit or a mismatched shape in pass 1 leaves the
+old weights serving untouched, without a copy of them; the cost is moving the
+bytes twice. A failure during pass 2 (the sender dying between its passes) leaves
+a partly applied model: the update fails loudly and the next one restores it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .format import TensorMeta, WeightUpdateError, dtype_of
+from .plan import Box, Piece, box_numel, check_cover, intersect
+from .shm import RingShape
+from .stream import StreamReceiver, StreamSender
+
+__all__ = ["ShardedSender", "ShardedReceiver", "VERIFY", "APPLY"]
+
+logger = logging.getLogger("vllm_ext.weights")
+
+VERIFY, APPLY = "verify", "apply"
+
+
+def _shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def _manifest_extra(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], rank: int) -> dict:
+    """Boxes, full shapes and each tensor's position in the plan's order (``shapes``' order,
+    the same on every rank: the receiver uses it to keep its lanes from blocking each other)."""
+    pos = {n: i for i, n in enumerate(shapes)}
+    return {"sharded": {"sender": rank, "boxes": [[list(b) for b in p.box] for p in pieces],
+                        "shapes": {p.name: list(shapes[p.name]) for p in pieces},
+                        "order": {p.name: pos[p.name] for p in pieces}}}
+
+
+class ShardedSender:
+    """One trainer rank's end: a ``StreamSender`` per receiver worker, kept across updates.
+
+    ``update_infos(version)`` gives what each worker needs to join (collected from all
+    ranks by whoever drives the replicas' HTTP protocol); ``send`` then runs both passes
+    to every worker at once. ``shm=None`` forces the network lane (gloo)."""
+
+    def __init__(self, rank: int, receivers: int, *, addr: str = "127.0.0.1", timeout_s: float = 120.0,
+                 bucket_bytes: int = 16 << 20, streams: int = 1, shm: RingShape | None = RingShape()):
+        self.rank = rank
+        self.senders = [StreamSender(2, addr=addr, timeout_s=timeout_s, bucket_bytes=bucket_bytes, streams=streams,
+                                     shm=shm) for _ in range(receivers)]
+        self.lanes: dict[int, str] = {}
+
+    def update_infos(self, version: int) -> list[dict]:
+        return [s.update_info(1, version) for s in self.senders]
+
+    def send(self, pieces: Sequence[Piece], read: Callable[[Piece], torch.Tensor], dtypes: Mapping[str, str],
+             shapes: Mapping[str, Sequence[int]], version: int) -> int:
+        """Both passes of one update to every receiver worker at once; bytes sent per pass.
+
+        ``pieces``: this rank's pieces (``Piece.sender == rank``), in plan order, which
+        is ``shapes``' order;
+        ``read(piece)`` its bytes as a CPU tensor of ``dtypes[name]``."""
+        per = [[p for p in pieces if p.receiver == r] for r in range(len(self.senders))]
+        errors: dict[int, BaseException] = {}
+        sent = [0] * len(self.senders)
+
+        def run(r: int) -> None:
+            s, mine = self.senders[r], per[r]
+            metas = [TensorMeta(p.name, dtypes[p.name], _shape(p.box)) for p in mine]
+            extra = _manifest_extra(mine, shapes, self.rank)
+            base = s.update_info(1, version)["session"]
+            try:
+                for phase in (VERIFY, APPLY):
+                    sent[r] += s.send(metas, (read(p) for p in mine), version, session=f"{base}/{phase}",
+                                      extra=extra)
+            except BaseException as exc:  # noqa: BLE001 - reported below, per receiver
+                errors[r] = exc
+            finally:
+                s.next_session()
+                self.lanes[r] = s.lanes.get(1, "?")
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(self.senders))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise WeightUpdateError(f"rank {self.rank}: " + "; ".join(
+                f"receiver {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items())))
+        return sum(sent) // 2
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+        self.senders = []
+
+
+@dataclass
+class _Pending:
+    buf: torch.Tensor
+    left: int
+
+
+class _Assembler:
+    """Pieces in, whole tensors (this worker's box of each, in a full-shape tensor as
+    vLLM's weight loaders expect) out, as each completes; ``budget`` bytes of tensors
+    in progress at most: a lane that runs ahead waits, except for a tensor earlier in
+    the plan's order (``order``) than every one in progress, since every lane sends in
+    that order and the earliest unfinished tensor must always be able to finish."""
+
+    def __init__(self, needs: Mapping[str, Box], dtypes: Mapping[str, torch.dtype], order: Mapping[str, int],
+                 budget: int):
+        self.needs, self.dtypes, self.order, self.budget = needs, dtypes, order, budget
+        self.pending: dict[str, _Pending] = {}
+        self.held = 0
+        self.failed = False
+        self.cond = threading.Condition()
+        self.out: queue.Queue = queue.Queue(maxsize=2)
+
+    def add(self, name: str, box: Box, shape: Sequence[int], t: torch.Tensor) -> str | None:
+        """Copy one piece in; why not, once another lane failed."""
+        with self.cond:
+            entry = self.pending.get(name)
+            if entry is None:
+                nbytes = box_numel(tuple((0, s) for s in shape)) * t.element_size()
+                self.cond.wait_for(lambda: self.failed or self.held + nbytes <= self.budget or name in self.pending
+                                   or all(self.order[name] < self.order[k] for k in self.pending))
+                if self.failed:
+                    return "another lane of this update failed"
+                entry = self.pending.get(name)
+                if entry is None:
+                    entry = self.pending[name] = _Pending(torch.empty(tuple(shape), dtype=self.dtypes[name]),
+                                                         box_numel(self.needs[name]))
+                    self.held += nbytes
+        entry.buf[tuple(slice(a, b) for a, b in box)].copy_(t)
+        with self.cond:
+            entry.left -= box_numel(box)
+            done = entry.left == 0
+            if done:
+                del self.pending[name]
+        if done:
+            self.out.put((name, entry.buf))  # the loader owns it now; released below once consumed
+        return None
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+    def consumed(self, t: torch.Tensor) -> None:
+        with self.cond:
+            self.held -= t.numel() * t.element_size()
+            self.cond.notify_all()
+
+
+class ShardedReceiver:
+    """A replica worker's end, kept between updates: one ``StreamReceiver`` per trainer rank."""
+
+    def __init__(self) -> None:
+        self.receivers: dict[int, StreamReceiver] = {}
+        self.last: dict = {}
+
+    def _receiver(self, i: int) -> StreamReceiver:
+        return self.receivers.setdefault(i, StreamReceiver())
+
+    def receive(self, infos: Sequence[dict], needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None,
+                apply: Callable[[Iterator[tuple[str, torch.Tensor]]], None], *, version: int,
+                budget: int = 32 << 20) -> int:
+        """One update from every trainer rank (``infos``: one ``update_info`` each); ``needs``:
+        name -> the box this worker loads. ``apply`` consumes the (name, tensor) iterator
+        (vLLM's ``load_weights``). Returns the bytes received per pass."""
+        manifests: dict[int, dict] = {}
+        digests: dict[int, list[int]] = {}
+        errors: dict[int, str] = {}
+
+        def check(i: int, manifest: dict) -> str | None:
+            sh = manifest.get("sharded")
+            if sh is None:
+                return "not a sharded update"
+            metas = [TensorMeta.from_json(m) for m in manifest["tensors"]]
+            for m, box in zip(metas, sh["boxes"]):
+                box = tuple(tuple(b) for b in box)
+                if m.name not in needs:
+                    return f"{m.name}: not a tensor of the served model"
+                want = expected.get(m.name) if expected else None
+                if want is not None and tuple(sh["shapes"][m.name]) != want.shape:
+                    return (f"weight update does not match the served model: 1 mismatched: {m.name}: update "
+                            f"{sh['shapes'][m.name]}, model {list(want.shape)}")
+                if want is not None and not (dtype_of(m.dtype).is_floating_point
+                                             and dtype_of(want.dtype).is_floating_point) and m.dtype != want.dtype:
+                    return f"{m.name}: update dtype {m.dtype}, model {want.dtype}"
+                if _shape(box) != m.shape or intersect(box, needs[m.name]) != box:
+                    return f"{m.name}: piece {box} is not inside this worker's box {list(needs[m.name])}"
+            manifests[i] = manifest
+            return None
+
+        def verify(i: int, info: dict) -> None:
+            try:
+                _, _, got = self._receiver(i).receive(**dict(info, session=f"{info['session']}/{VERIFY}",
+                                                             version=version),
+                                                      on_unit=lambda u, views: None, check=lambda m: check(i, m))
+                digests[i] = got
+            except Exception as exc:  # noqa: BLE001 - reported as the update's error
+                errors[i] = str(exc)
+
+        _parallel(verify, infos)
+        verified = [i for i in range(len(infos)) if i in digests]
+        failure = "; ".join(f"from rank {i}: {e}" for i, e in sorted(errors.items()))
+        if not failure:
+            pieces = [Piece(m[0], tuple(tuple(b) for b in box), i, 0)
+                      for i, man in manifests.items() for m, box in zip(man["tensors"], man["sharded"]["boxes"])]
+            failure = check_cover(pieces, needs)
+            if failure:
+                failure = f"the senders' pieces do not make up this worker's weights: {failure}"
+        dtypes = {m.name: m.dtype for m in (expected or {}).values()}
+        for man in manifests.values():
+            for m in man["tensors"]:
+                dtypes.setdefault(m[0], m[1])
+        order = {n: i for man in manifests.values() for n, i in man["sharded"]["order"].items()}
+        asm = _Assembler(needs, {k: dtype_of(v) for k, v in dtypes.items()}, order, budget)
+        total = [0]
+
+        def second(i: int, info: dict) -> None:
+            """Pass 2 from sender i: drained when the update is already refused."""
+            man = manifests[i]
+            boxes = [tuple(tuple(b) for b in box) for box in man["sharded"]["boxes"]]
+            shapes = man["sharded"]["shapes"]
+            metas = [TensorMeta.from_json(m) for m in man["tensors"]]
+            index = _unit_index(metas, man)
+
+            def on_unit(u: int, views) -> str | None:
+                if failure:
+                    return "draining: the update was refused in its verify pass"
+                for k, (_, t) in zip(index[u], views):
+                    if why := asm.add(metas[k].name, boxes[k], shapes[metas[k].name], t):
+                        return why
+                    total[0] += t.numel() * t.element_size()
+                return None
+
+            try:
+                self._receiver(i).receive(**dict(info, session=f"{info['session']}/{APPLY}", version=version),
+                                          on_unit=on_unit, expect=digests[i], check=lambda m: None)
+            except Exception as exc:  # noqa: BLE001
+                asm.fail()
+                if not failure:
+                    errors[i] = str(exc)
+
+        if failure:  # the senders whose verify pass closed cleanly still send pass 2: drain it
+            _parallel(second, {i: infos[i] for i in verified})
+            raise WeightUpdateError(failure)
+        feeder = threading.Thread(target=lambda: (_parallel(second, dict(enumerate(infos))), asm.out.put(None)),
+                                  daemon=True)
+        feeder.start()
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            while (item := asm.out.get()) is not None:
+                yield item
+                asm.consumed(item[1])
+
+        items = stream()
+        try:
+            apply(items)
+        finally:
+            for _ in items:  # let the feeder finish even if apply stopped early
+                pass
+            feeder.join()
+        if errors:
+            raise WeightUpdateError("applying pass failed, the weights are partly updated (the next update "
+                                    "restores them): " + "; ".join(f"from rank {i}: {e}" for i, e in errors.items()))
+        if asm.pending:
+            raise WeightUpdateError(f"{len(asm.pending)} tensor(s) incomplete after the apply pass")
+        self.last = {"bytes": total[0], "senders": len(infos)}
+        return total[0]
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
+        self.receivers = {}
+
+
+def _unit_index(metas: list[TensorMeta], manifest: dict) -> list[list[int]]:
+    from .stream import unit_plan
+
+    return [[i for i, _ in unit] for unit in unit_plan(metas, int(manifest["bucket_bytes"]))]
+
+
+def _parallel(fn: Callable[[int, dict], None], infos: Mapping[int, dict] | Sequence[dict]) -> None:
+    items = infos.items() if isinstance(infos, Mapping) else enumerate(infos)
+    threads = [threading.Thread(target=fn, args=(i, info), daemon=True) for i, info in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
