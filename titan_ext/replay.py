@@ -13,8 +13,10 @@ duration of one forward (and its backward, which reuses saved tensors). The ids
 must be laid out exactly like the tokens given to that forward on that rank,
 `[batch, seq, num_moe_layers, top_k]`; under data parallel / FSDP2 and expert
 parallel each rank passes the rows of its own tokens (the all-to-all dispatch
-happens after routing). This module takes plain integer tensors and knows no
-wire format: decoding routing records is the RL loop's job.
+happens after routing); under context parallel a rank's tokens are also a subset of
+the sequence's positions, and `shard_replay_ids` takes a full-sequence record's rows for
+them with the layout the trainer gives the tokens. This module takes plain integer
+tensors and knows no wire format: decoding routing records is the RL loop's job.
 """
 
 from __future__ import annotations
@@ -101,6 +103,15 @@ def check_replay_ids(ids: torch.Tensor, *, tokens_shape: tuple[int, int], num_mo
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync per batch, not two
         if lo < 0 or hi >= num_experts:
             raise ReplayRecordError(f"expert ids must lie in [0, {num_experts}); got min {lo}, max {hi}")
+
+
+def shard_replay_ids(model: torch.nn.Module, ids_BSNK: torch.Tensor) -> torch.Tensor:
+    """This rank's positions of a full-sequence record `[batch, seq, num_moe_layers, top_k]` when
+    `model` runs context parallel (the layout its tokens get), else the record itself."""
+    from .models.context_parallel import sequence_shards
+
+    shards = sequence_shards(model)
+    return ids_BSNK if shards is None else shards.shard(ids_BSNK)[0]
 
 
 @contextmanager

@@ -64,6 +64,12 @@ def chunks(flat: list[int], chunk: int):
             yield l0 + off, l0 + min(n, off + chunk), g0 + off
 
 
+def segment_positions(flat: list[int], device: torch.device) -> torch.Tensor:
+    """`[L]` global positions of the rows `flat` segments describe."""
+    return torch.cat([torch.arange(flat[i + 1], flat[i + 1] + flat[i + 2], device=device)
+                      for i in range(0, len(flat), 3)])
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather `[B, L, D]` over the group into `[world, B, L, D]`; backward reduce-scatters."""
 
@@ -131,3 +137,12 @@ class SequenceShards:
         flat = parts.permute(1, 0, 2, 3).reshape(bsz, self.world * local_len, dim)
         restore = torch.tensor(self._layout(local_len)[1], device=x_BLD.device)
         return flat.index_select(1, restore)
+
+
+def sequence_shards(model: torch.nn.Module) -> SequenceShards | None:
+    """The `SequenceShards` the model's attention layers run with (None without context parallel)."""
+    for module in model.modules():
+        shards = getattr(module, "cp", None)
+        if isinstance(shards, SequenceShards):
+            return shards
+    return None

@@ -42,7 +42,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.nn_modules import LayerNorm
 from torchtitan.protocols.module import Module
 
-from ..context_parallel import chunks, flat_segments
+from ..context_parallel import chunks, flat_segments, segment_positions
 from ..matmul import bmm_fp32
 from ..mla import MLAttention
 
@@ -147,26 +147,43 @@ def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale):
 def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale: float) -> torch.Tensor:
     """Top-k keys of `c` consecutive queries at global positions g0.. over keys `k_BTD` (a running
     top-k across key chunks; a single chunk is a plain top-k)."""
-    bsz, c, h, d = q_BCHD.shape
-    q = q_BCHD.reshape(bsz, c * h, d)
-    w = w_BCH.reshape(bsz * c, 1, h)
-    pos = torch.arange(g0, g0 + c, device=k_BTD.device)
+    bsz, c = q_BCHD.shape[:2]
+    kernels = _indexer_kernels() if q_BCHD.is_cuda else None
+    scores = kernels.index_scores if kernels is not None and kernels.supported(q_BCHD) else _index_scores
     best_v = best_i = None
     for t0 in range(0, k_BTD.size(1), key_chunk):
-        kc = k_BTD[:, t0:t0 + key_chunk]
-        t = kc.size(1)
-        # [B*C, H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
-        scores = F.relu_(torch.bmm(q, kc.transpose(1, 2)).view(bsz * c, h, t))
-        index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
-        index_scores = index_scores.view(bsz, c, t) * scale
-        keys = torch.arange(t0, t0 + t, device=k_BTD.device)
-        index_scores.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
-        keys = keys.expand(bsz, c, t)
+        index_scores = scores(q_BCHD, k_BTD[:, t0:t0 + key_chunk], w_BCH, g0, t0, scale)
+        keys = torch.arange(t0, t0 + index_scores.size(-1), device=k_BTD.device).expand(bsz, c, -1)
         if best_v is not None:
             index_scores, keys = torch.cat([best_v, index_scores], -1), torch.cat([best_i, keys], -1)
         best_v, j = index_scores.topk(min(topk, index_scores.size(-1)), dim=-1)
         best_i = keys.gather(-1, j)
     return best_i
+
+
+def _index_scores(q_BCHD, k_BTD, w_BCH, g0: int, t0: int, scale: float) -> torch.Tensor:
+    """`[B, C, T]` fp32: `scale * sum_h w * relu(q_h . k)` of queries at g0.. and keys at t0..,
+    later keys -inf (`indexer_triton.index_scores` on CUDA)."""
+    bsz, c, h, d = q_BCHD.shape
+    t = k_BTD.size(1)
+    # [B*C, H, T]: per-head scores of the chunk; ReLU, then mixed by per-token head weights.
+    scores = F.relu_(torch.bmm(q_BCHD.reshape(bsz, c * h, d), k_BTD.transpose(1, 2)).view(bsz * c, h, t))
+    w = w_BCH.reshape(bsz * c, 1, h)
+    index_scores = bmm_fp32(w.to(scores.dtype), scores)  # fp32 accumulation and result of the head mix
+    index_scores = index_scores.view(bsz, c, t) * scale
+    pos = torch.arange(g0, g0 + c, device=k_BTD.device)
+    keys = torch.arange(t0, t0 + t, device=k_BTD.device)
+    return index_scores.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+
+
+@functools.cache
+def _indexer_kernels():
+    """The indexer_triton module, or None when Triton does not import."""
+    try:
+        from . import indexer_triton
+    except ImportError:
+        return None
+    return indexer_triton
 
 
 @functools.cache
@@ -321,12 +338,12 @@ class DSAAttention(MLAttention):
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
         q_all = torch.cat([q_lat, q_pe], dim=-1)
         self.sparse_impl = sparse_attention_impl(q_all, kv_all, self.kv_lora_rank)
-        if self.sparse_impl == "triton" and segments is None:
+        if self.sparse_impl == "triton":
+            positions = None if segments is None else segment_positions(segments, q_all.device)
             o_lat = _triton_kernels().sparse_latent_attention(
-                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank
+                q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, positions
             )
         else:
-            self.sparse_impl = "torch"
             o_lat = _SparseLatentAttention.apply(
                 q_all, kv_all, selected, self.softmax_scale, self.kv_lora_rank, self.query_chunk, segments
             )

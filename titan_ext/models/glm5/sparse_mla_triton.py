@@ -31,8 +31,9 @@ TFLOP/s) + pass 2 80 ms (117 TFLOP/s; all configurations tried took 80 ms or mor
 tokens: out 0.0020, dq 0.0023, dkv 0.0024 (the same as the previous kernel). The whole DSA layer
 fwd+bwd: 322 ms at 32k (dense causal MLA 345 ms) and 1932 ms at 128k (dense 4928 ms), peak 48.8 GiB.
 
-Inputs: bf16 (or fp32) `q [B, S, H, C]`, `kv [B, S, C]`, int `idx [B, S, K]` with entries
-in `[0, S)` and no duplicates within a row (the indexer's top-k); fp32 accumulation. A query
+Inputs: bf16 (or fp32) `q [B, L, H, C]`, `kv [B, S, C]`, int `idx [B, L, K]` with entries
+in `[0, S)`; L == S, or under context parallel a rank's L queries at global `positions` against
+the whole sequence's gathered keys (the position of a query, not its row, masks later keys) and no duplicates within a row (the indexer's top-k); fp32 accumulation. A query
 whose selected indices are all in the future gets output 0 and no gradient (the torch path
 gives NaN there; the indexer never produces such a row). `v_dim` and `C - v_dim` must be
 powers of two (512 + 64 for GLM-5). Runs under `TRITON_INTERPRET=1` on CPU tensors, which is
@@ -95,11 +96,17 @@ def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
 
 
 @triton.jit
-def _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
+def _token_pos(POS, tok, q_len, kv_len):
+    """Global position of flat query token `tok` and the first kv row of its batch row."""
+    loc = tok % q_len
+    return tl.load(POS + loc).to(tl.int64), (tok - loc) // q_len * kv_len
+
+
+@triton.jit
+def _query_tile(Q, POS, tok, q_len, kv_len, n_heads, stride_qt, stride_qh,
                 D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """Position, first kv row of its sequence, offsets, head mask and the query tile of token `tok`."""
-    pos = tok % seqlen
-    row0 = tok - pos
+    pos, row0 = _token_pos(POS, tok, q_len, kv_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, D_V)
     offs_r = tl.arange(0, D_R)
@@ -128,14 +135,14 @@ def _selected_block(q_v, q_r, KV, IDX, tok, pos, row0, n0, topk, stride_it, stri
 
 @triton.jit
 def _fwd_kernel(
-    Q, KV, IDX, O, LSE,
-    seqlen, n_heads, topk, qk_scale,  # qk_scale = softmax scale * log2(e)
+    Q, KV, IDX, O, LSE, POS,
+    q_len, kv_len, n_heads, topk, qk_scale,  # qk_scale = softmax scale * log2(e)
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)  # flat query token b * seqlen + pos
-    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
-                                                                     D_V, D_R, BLOCK_H)
+    tok = tl.program_id(0).to(tl.int64)  # flat query token b * q_len + local row
+    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, POS, tok, q_len, kv_len, n_heads, stride_qt,
+                                                                     stride_qh, D_V, D_R, BLOCK_H)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -164,8 +171,8 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, KV, IDX, O, DO, LSE, DQ, DS, PS,
-    tok0, seqlen, n_heads, topk, scale, qk_scale,
+    Q, KV, IDX, O, DO, LSE, DQ, DS, PS, POS,
+    tok0, q_len, kv_len, n_heads, topk, scale, qk_scale,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -174,8 +181,8 @@ def _bwd_dq_kernel(
     # (in the input dtype, as they enter the matmuls) to the scratch [chunk, topk, heads].
     loc = tl.program_id(0).to(tl.int64)
     tok = tok0 + loc
-    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, tok, seqlen, n_heads, stride_qt, stride_qh,
-                                                                     D_V, D_R, BLOCK_H)
+    pos, row0, offs_h, offs_v, offs_r, hmask, q_v, q_r = _query_tile(Q, POS, tok, q_len, kv_len, n_heads, stride_qt,
+                                                                     stride_qh, D_V, D_R, BLOCK_H)
     do = tl.load(DO + tok * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=hmask[:, None], other=0.0)
     o = tl.load(O + tok * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :], mask=hmask[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), fp32
@@ -205,8 +212,8 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkv_kernel(
-    Q, DO, IDX, DS, PS, DKV,
-    tok0, seqlen, n_heads, topk,
+    Q, DO, IDX, DS, PS, DKV, POS,
+    tok0, q_len, kv_len, n_heads, topk,
     stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_V: tl.constexpr,
 ):
@@ -216,8 +223,7 @@ def _bwd_dkv_kernel(
     # two halves (smaller fp32 tiles to convert for the atomics), the same arithmetic.
     loc = tl.program_id(0).to(tl.int64)
     tok = tok0 + loc
-    pos = tok % seqlen
-    row0 = tok - pos
+    pos, row0 = _token_pos(POS, tok, q_len, kv_len)
     W: tl.constexpr = D_V // SPLIT_V
     offs_h = tl.arange(0, BLOCK_H)
     offs_a = tl.arange(0, W)
@@ -256,49 +262,54 @@ def _block_h(n_heads: int) -> int:
     return max(16, triton.next_power_of_2(n_heads))
 
 
-def _flat(q, kv, idx):
-    bsz, seqlen, n_heads, c = q.shape
-    q = q.reshape(bsz * seqlen, n_heads, c)
+def _flat(q, kv, idx, positions):
+    """Flat q, kv, idx, and the queries' global positions (`arange(L)` when None: L == S)."""
+    bsz, q_len, n_heads, c = q.shape
+    q = q.reshape(bsz * q_len, n_heads, c)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    kv = kv.reshape(bsz * seqlen, c).contiguous()
-    idx = idx.reshape(bsz * seqlen, idx.size(-1)).contiguous()
-    return q, kv, idx
+    kv = kv.reshape(bsz * kv.size(1), c).contiguous()
+    idx = idx.reshape(bsz * q_len, idx.size(-1)).contiguous()
+    pos = torch.arange(q_len, device=q.device) if positions is None else positions.to(q.device, torch.int64)
+    return q, kv, idx, pos.contiguous()
 
 
-def sparse_mla_fwd(q, kv, idx, scale: float, v_dim: int, config: dict | None = None):
-    """Forward: (out [B, S, H, v_dim] in q's dtype, lse [B, S, H] fp32, natural log)."""
-    bsz, seqlen, n_heads, c = q.shape
-    qf, kvf, idxf = _flat(q, kv, idx)
-    out = q.new_empty(bsz * seqlen, n_heads, v_dim)
-    lse = torch.empty(bsz * seqlen, n_heads, dtype=torch.float32, device=q.device)
+def sparse_mla_fwd(q, kv, idx, scale: float, v_dim: int, config: dict | None = None, *, positions=None):
+    """Forward: (out [B, L, H, v_dim] in q's dtype, lse [B, L, H] fp32, natural log). `positions`
+    ([L], the queries' global positions; kv holds the S keys of the whole sequence) for context
+    parallel; None when q and kv cover the same L == S tokens."""
+    bsz, q_len, n_heads, c = q.shape
+    qf, kvf, idxf, pos = _flat(q, kv, idx, positions)
+    out = q.new_empty(bsz * q_len, n_heads, v_dim)
+    lse = torch.empty(bsz * q_len, n_heads, dtype=torch.float32, device=q.device)
     args = (
-        qf, kvf, idxf, out, lse,
-        seqlen, n_heads, idxf.size(1), scale * LOG2E,
+        qf, kvf, idxf, out, lse, pos,
+        q_len, kv.size(1), n_heads, idxf.size(1), scale * LOG2E,
         qf.stride(0), qf.stride(1), kvf.stride(0), idxf.stride(0), out.stride(0), out.stride(1),
     )
     consts = {"D_V": v_dim, "D_R": c - v_dim, "BLOCK_H": _block_h(n_heads)}
-    _launch("fwd", _fwd_kernel, (bsz * seqlen,), args, consts, config)
-    return out.view(bsz, seqlen, n_heads, v_dim), lse.view(bsz, seqlen, n_heads)
+    _launch("fwd", _fwd_kernel, (bsz * q_len,), args, consts, config)
+    return out.view(bsz, q_len, n_heads, v_dim), lse.view(bsz, q_len, n_heads)
 
 
 def sparse_mla_bwd(
     q, kv, idx, out, lse, dout, scale: float,
-    config: dict | None = None, dkv_config: dict | None = None, chunk_tokens: int | None = None,
+    config: dict | None = None, dkv_config: dict | None = None, chunk_tokens: int | None = None, *, positions=None,
 ):
     """Backward: (dq like q, dkv like kv). Two passes per chunk of query tokens (the dS / P
     scratch is `2 * topk * heads` elements per token, so chunks keep it near SCRATCH_BYTES)."""
-    bsz, seqlen, n_heads, c = q.shape
+    bsz, q_len, n_heads, c = q.shape
+    kv_len = kv.size(1)
     v_dim = out.size(-1)
-    qf, kvf, idxf = _flat(q, kv, idx)
-    dof = dout.reshape(bsz * seqlen, n_heads, v_dim)
+    qf, kvf, idxf, pos = _flat(q, kv, idx, positions)
+    dof = dout.reshape(bsz * q_len, n_heads, v_dim)
     if dof.stride(-1) != 1:
         dof = dof.contiguous()
-    of = out.reshape(bsz * seqlen, n_heads, v_dim)
-    lsef = lse.reshape(bsz * seqlen, n_heads).contiguous()
+    of = out.reshape(bsz * q_len, n_heads, v_dim)
+    lsef = lse.reshape(bsz * q_len, n_heads).contiguous()
     n_tok, topk = idxf.shape
     dq = torch.empty_like(qf)
-    dkv = torch.zeros(n_tok, c, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(bsz * kv_len, c, dtype=torch.float32, device=q.device)
     if chunk_tokens is None:
         chunk_tokens = max(1, SCRATCH_BYTES // (2 * topk * n_heads * q.element_size()))
     chunk = min(n_tok, chunk_tokens)
@@ -308,15 +319,15 @@ def sparse_mla_bwd(
     for tok0 in range(0, n_tok, chunk):
         n = min(chunk, n_tok - tok0)
         args = (
-            qf, kvf, idxf, of, dof, lsef, dq, ds, ps,
-            tok0, seqlen, n_heads, topk, scale, scale * LOG2E,
+            qf, kvf, idxf, of, dof, lsef, dq, ds, ps, pos,
+            tok0, q_len, kv_len, n_heads, topk, scale, scale * LOG2E,
             qf.stride(0), qf.stride(1), kvf.stride(0), idxf.stride(0), of.stride(0), of.stride(1),
             dof.stride(0), dof.stride(1), dq.stride(0), dq.stride(1),
         )
         _launch("bwd", _bwd_dq_kernel, (n,), args, consts, config)
         args = (
-            qf, dof, idxf, ds, ps, dkv,
-            tok0, seqlen, n_heads, topk,
+            qf, dof, idxf, ds, ps, dkv, pos,
+            tok0, q_len, kv_len, n_heads, topk,
             qf.stride(0), qf.stride(1), idxf.stride(0), dof.stride(0), dof.stride(1),
         )
         _launch("dkv", _bwd_dkv_kernel, (n,), args, consts, dkv_config)
@@ -327,21 +338,22 @@ class SparseLatentAttentionTriton(torch.autograd.Function):
     """Same contract as `dsa._SparseLatentAttention` (minus the chunk size), in Triton."""
 
     @staticmethod
-    def forward(ctx, q_BSHC, kv_BSC, idx_BSK, scale: float, v_dim: int):
-        out, lse = sparse_mla_fwd(q_BSHC, kv_BSC, idx_BSK, scale, v_dim)
-        ctx.save_for_backward(q_BSHC, kv_BSC, idx_BSK, out, lse)
+    def forward(ctx, q_BLHC, kv_BSC, idx_BLK, scale: float, v_dim: int, positions=None):
+        out, lse = sparse_mla_fwd(q_BLHC, kv_BSC, idx_BLK, scale, v_dim, positions=positions)
+        ctx.save_for_backward(q_BLHC, kv_BSC, idx_BLK, out, lse, positions)
         ctx.scale = scale
         return out
 
     @staticmethod
-    def backward(ctx, dout_BSHV):
-        q, kv, idx, out, lse = ctx.saved_tensors
-        dq, dkv = sparse_mla_bwd(q, kv, idx, out, lse, dout_BSHV, ctx.scale)
-        return dq, dkv, None, None, None
+    def backward(ctx, dout_BLHV):
+        q, kv, idx, out, lse, positions = ctx.saved_tensors
+        dq, dkv = sparse_mla_bwd(q, kv, idx, out, lse, dout_BLHV, ctx.scale, positions=positions)
+        return dq, dkv, None, None, None, None
 
 
-def sparse_latent_attention(q_BSHC, kv_BSC, idx_BSK, scale: float, v_dim: int) -> torch.Tensor:
-    return SparseLatentAttentionTriton.apply(q_BSHC, kv_BSC, idx_BSK, scale, v_dim)
+def sparse_latent_attention(q_BLHC, kv_BSC, idx_BLK, scale: float, v_dim: int, positions=None) -> torch.Tensor:
+    """`positions`: the queries' global positions `[L]` under context parallel (kv: all S tokens)."""
+    return SparseLatentAttentionTriton.apply(q_BLHC, kv_BSC, idx_BLK, scale, v_dim, positions)
 
 
 __all__ = ["SparseLatentAttentionTriton", "sparse_latent_attention", "sparse_mla_fwd", "sparse_mla_bwd", "supported"]
