@@ -21,6 +21,7 @@ failed, say) is dropped and counted, never trained on silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -49,6 +50,7 @@ from .tasks import get_task, group_samples, is_episodic
 from vllm_ext.weights.wire import COMMIT_MARKER
 
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
+from .weight_lane import LaneChoice, choose_lane, read_infos
 
 
 class TrainerExited(RuntimeError):
@@ -85,6 +87,7 @@ class Orchestrator:
         self.counters = {"dropped_stale_groups": 0, "rejected_samples": 0, "resent_groups": 0, "failed_syncs": 0}
         self.weight_sync = weight_sync
         self.placement = for_config(config)
+        self.lane: LaneChoice | None = None
         inf = config.inference
         self.router = LlmdRouter(inf.llmd_address, retry_for_s=inf.llmd_retry_s) if inf.router == "llmd" else embedded_pick
 
@@ -118,7 +121,8 @@ class Orchestrator:
         TrainerSpec(model=c.model.arch, flavor=c.model.flavor, init_checkpoint=str(init), steps=c.train.steps,
                     lr=c.train.lr, replay=c.train.replay, max_ratio=c.train.max_ratio,
                     checkpoint_interval=c.train.checkpoint_interval, dispatcher=c.train.dispatcher, fp8=c.train.fp8,
-                    wire_dtype=self.cfg.model.inference_dtype).save(self.run_dir)
+                    wire_dtype=self.cfg.model.inference_dtype, weight_lane=self.lane.lane,
+                    replica_tp=[1] * self.replica_count()).save(self.run_dir)
         log_file = open(self.run_dir / "trainer.log", "a")
         cores = self.placement.trainer if self.placement else None
         self.trainer_proc = subprocess.Popen(
@@ -128,6 +132,21 @@ class Orchestrator:
             env={**os.environ, **trainer_env(cores, c.train.nproc)} if cores else None,
             preexec_fn=pin(cores) if cores else None,
         )
+
+    def replica_count(self) -> int:
+        c = self.cfg.inference
+        return c.replicas or len(c.endpoints)
+
+    def pick_lane(self, init: Path) -> LaneChoice:
+        """The weight lane of this run (inference.weight_sync), logged with the reason."""
+        from titan_ext.checkpoint import checkpoint_quantization
+        from vllm_ext.weights.shm import unsupported_reason
+
+        choice = choose_lane(self.cfg.inference.weight_sync, local_replicas=self.cfg.inference.replicas > 0,
+                             block_fp8=checkpoint_quantization(str(init)) is not None,
+                             shm_problem=unsupported_reason())
+        log(f"weight sync lane: {choice.lane} ({choice.why})")
+        return choice
 
     def start_replicas(self, version: int, init: Path) -> None:
         c = self.cfg.inference
@@ -239,12 +258,40 @@ class Orchestrator:
         while not path.exists():
             self.check_trainer(f"finishing step {step}")
             await asyncio.sleep(0.05)
-        self.wait_for_weights(step)
+        if self.lane is None or self.lane.lane == "fs":
+            self.wait_for_weights(step)
         return json.loads(path.read_text())
+
+    def sync_sharded(self, version: int) -> None:
+        """Every replica receives `version` from every trainer rank at once (sharded lanes)."""
+        from vllm_ext.weights.client import Replica as ClientReplica, push_sharded
+
+        infos = read_infos(self.run_dir, version, self.cfg.train.nproc,
+                           alive=lambda: self.check_trainer(f"offering weights v{version}"))
+        live = [i for i, r in enumerate(self.replicas) if r.up]
+        workers = [[[infos[rank][i] for rank in range(len(infos))]] for i in live]
+        for i in live:
+            self.replicas[i].updating = True
+        try:
+            push_sharded([self.replicas[i].base_url for i in live], workers, version)
+            for i in live:
+                self.replicas[i].policy_version = version
+        except Exception as exc:  # noqa: BLE001 - a failed replica keeps serving its old weights
+            self.counters["failed_syncs"] += 1
+            log(f"weight sync to v{version} over {self.lane.lane} failed: {exc}")
+            for i in live:  # the ones that did update say so
+                with contextlib.suppress(Exception):
+                    self.replicas[i].policy_version = int(ClientReplica(self.replicas[i].base_url).version())
+        finally:
+            for i in live:
+                self.replicas[i].updating = False
 
     async def sync(self, version: int) -> float:
         """Every live replica loads `version`; a failed update leaves it on its old version (counted)."""
         t0 = time.perf_counter()
+        if self.lane is not None and self.lane.lane != "fs":
+            await asyncio.to_thread(self.sync_sharded, version)
+            return time.perf_counter() - t0
         path = weights_dir(self.run_dir, version)
         for r in [r for r in self.replicas if r.up]:
             r.updating = True
@@ -280,6 +327,7 @@ class Orchestrator:
                              f"{init / 'config.json'}); lower rollout.max_tokens below {context}")
         shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
         reporter = Reporter(self.run_dir, resume_step=start)
+        self.lane = self.pick_lane(init)
         if self.placement:
             log(f"cores: trainer {format_cpus(self.placement.trainer)}, replicas "
                 + " | ".join(format_cpus(c) for c in self.placement.replicas))

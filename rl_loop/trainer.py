@@ -11,7 +11,9 @@ and publishes the new weights as an HF checkpoint for the inference replicas.
 The run directory is the whole protocol, so the orchestrator and the trainer can
 be restarted independently:
     batches/step_NNNNNN.pt       written by the orchestrator (atomic rename)
-    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.weights filesystem transport)
+    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.weights filesystem transport;
+                                 with a sharded lane only at checkpoint steps, for --resume)
+    sync/vNNNNNN/rank{r}.json    sharded lanes: rank r's senders' join info for version N (rl_loop.weight_lane)
     trainer/metrics_NNNNNN.json  loss and mismatch metrics of step N
     trainer/checkpoint/          TorchTitan checkpoints
 
@@ -48,6 +50,8 @@ class TrainerSpec:
     max_ratio: float
     checkpoint_interval: int
     wire_dtype: str = "bfloat16"
+    weight_lane: str = "fs"  # rl_loop.weight_lane: fs, shm or net
+    replica_tp: list[int] | None = None  # sharded lanes: TP size of each replica, in order
     dispatcher: str = "lean"
     fp8: bool = False
     max_grad_norm: float = 1.0
@@ -139,6 +143,52 @@ def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype:
         drain(model, dtype=wire_dtype, quant=quant)
 
 
+class ShardedPublisher:
+    """This rank's end of the sharded lanes (``vllm_ext.weights.sharded``): its pieces of
+    every replica worker's weights, planned once from every rank's owned boxes (metadata
+    only is exchanged), sent straight from its own shards each step: nothing is gathered."""
+
+    def __init__(self, model: torch.nn.Module, replica_tp: list[int], lane: str, wire_dtype: torch.dtype,
+                 timeout_s: float = 120.0):
+        from titan_ext.weights import hf_metadata, owned_hf_slices
+        from vllm_ext.weights.format import dtype_name
+        from vllm_ext.weights.plan import replica_needs, reshard
+        from vllm_ext.weights.shm import RingShape
+        from vllm_ext.weights.sharded import ShardedSender
+
+        self.model, self.wire_dtype, self.rank = model, wire_dtype, dist.get_rank()
+        meta = hf_metadata(model, dtype=wire_dtype)
+        self.shapes = {n: tuple(shape) for n, _, shape in meta}
+        self.dtypes = {n: dtype_name(d) for n, d, _ in meta}
+        mine = owned_hf_slices(model)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [(s.name, s.box) for s in mine])
+        owned: dict[str, list] = {}
+        for r, slices in enumerate(everyone):
+            for name, box in slices:
+                owned.setdefault(name, []).append((r, box))
+        needs = [n for tp in replica_tp for n in replica_needs(self.shapes, tp)]
+        itemsize = {n: torch.empty((), dtype=d).element_size() for n, d, _ in meta}
+        self.pieces = [p for p in reshard(list(self.shapes), owned, needs, itemsize) if p.sender == self.rank]
+        self.slices = {s.name: s for s in mine}
+        self.replica_tp = replica_tp
+        self.sender = ShardedSender(self.rank, len(needs), timeout_s=timeout_s,
+                                    shm=RingShape() if lane == "shm" else None)
+
+    def publish(self, run_dir: Path, version: int) -> dict:
+        """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join."""
+        from rl_loop.weight_lane import sync_dir
+        from titan_ext.weights import read_owned
+
+        infos = self.sender.update_infos(version)
+        write_atomic(sync_dir(run_dir, version) / f"rank{self.rank}.json", lambda t: t.write_text(json.dumps(infos)))
+        state = self.model.state_dict()
+        t0 = time.perf_counter()
+        nbytes = self.sender.send(self.pieces, lambda p: read_owned(state, self.slices[p.name], p.box, self.wire_dtype),
+                                  self.dtypes, self.shapes, version)
+        return {"bytes": nbytes, "send_s": time.perf_counter() - t0, "lanes": sorted(set(self.sender.lanes.values()))}
+
+
 def die_with_parent() -> None:
     """Make this worker die when its torchrun agent dies (Linux).
 
@@ -167,14 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     destroy_process_group_together()
 
 
-def train(run_dir: Path) -> None:
-    """Train the steps of the run in `run_dir`, one batch file at a time, publishing weights after each."""
-    from titan_ext.checkpoint import checkpoint_quantization, read_arch
+def build_trainer(spec: TrainerSpec, run_dir: Path):
+    """TorchTitan's trainer for `spec` (model with FSDP2/EP, optimizer, checkpointing), loaded
+    from the newest checkpoint under run_dir/trainer, else from spec.init_checkpoint."""
+    from titan_ext.checkpoint import read_arch
     from titan_ext.options import TitanExtOptions, apply_options
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
 
-    spec = TrainerSpec.load(run_dir)
     cfg = trainer_config(spec.model, spec.flavor)
     arch = read_arch(spec.init_checkpoint, spec.model)
     from titan_ext.models import spec_from_arch
@@ -202,13 +252,25 @@ def train(run_dir: Path) -> None:
     cfg.checkpoint.exclude_from_loading = ["dataloader"]
     trainer = cfg.build()
     trainer.checkpointer.load()
+    return trainer
+
+
+def train(run_dir: Path) -> None:
+    """Train the steps of the run in `run_dir`, one batch file at a time, publishing weights after each."""
+    from titan_ext.checkpoint import checkpoint_quantization
+
+    spec = TrainerSpec.load(run_dir)
+    trainer = build_trainer(spec, run_dir)
     model = trainer.model_parts[0]
     model.train()
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_config = LossConfig(max_ratio=spec.max_ratio)
     wire_dtype = getattr(torch, spec.wire_dtype)
     quant = checkpoint_quantization(spec.init_checkpoint)  # the replicas serve this checkpoint's format
-    if trainer.step == 0:
+    publisher = None
+    if spec.weight_lane != "fs":
+        publisher = ShardedPublisher(model, spec.replica_tp or [], spec.weight_lane, wire_dtype)
+    elif trainer.step == 0:
         publish_weights(model, weights_dir(run_dir, 0), 0, wire_dtype, quant)
     while trainer.step < spec.steps:
         step = trainer.step + 1
@@ -230,12 +292,19 @@ def train(run_dir: Path) -> None:
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         trainer.checkpointer.save(curr_step=step, last_step=step == spec.steps)
-        publish_weights(model, weights_dir(run_dir, step), step, wire_dtype, quant)
+        if publisher is None or step % spec.checkpoint_interval == 0 or step == spec.steps:
+            publish_weights(model, weights_dir(run_dir, step), step, wire_dtype, quant)  # also what --resume loads
         publish_s = time.perf_counter() - t1
         if rank == 0:
             grad = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             metrics.update(step=step, grad_norm=float(grad), wait_s=wait_s, train_s=train_s, publish_s=publish_s)
             write_atomic(metrics_path(run_dir, step), lambda tmp: tmp.write_text(json.dumps(metrics)))
+        if publisher is not None:  # after the metrics: the orchestrator drives the replicas once it has them
+            try:
+                sent = publisher.publish(run_dir, step)
+                print(f"rank {rank}: v{step} sent over {spec.weight_lane}: {sent}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - the replicas keep their version; the orchestrator counts it
+                print(f"rank {rank}: v{step} not delivered: {exc}", flush=True)
     trainer.close()
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["WeightSyncError", "SyncResult", "Replica", "push_fs", "push_stream", "publish_fs"]
+__all__ = ["WeightSyncError", "SyncResult", "Replica", "push_fs", "push_stream", "push_sharded", "publish_fs"]
 
 
 class WeightSyncError(RuntimeError):
@@ -128,6 +128,18 @@ def push_fs(replicas: Sequence[Replica | str], path: str | Path, version: int) -
     reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
     body = {"transport": "fs", "path": str(Path(path).resolve()), "version": int(version)}
     return _run_protocol(reps, version, "fs", lambda i, r: body)
+
+
+def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
+                 version: int) -> SyncResult:
+    """Make every replica receive `version` from the trainer ranks' sharded senders at once.
+
+    ``workers[i][t]``: for TP rank t of replica i, the join info of every trainer rank's
+    sender for that worker (``sharded.ShardedSender.update_infos``); the ranks send
+    themselves, in their own processes, while this waits for the replicas."""
+    reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+    return _run_protocol(reps, version, "sharded",
+                         lambda i, r: {"transport": "sharded", "version": int(version), "workers": workers[i]})
 
 
 def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:

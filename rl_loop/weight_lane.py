@@ -1,0 +1,65 @@
+"""Which lane carries new weights to the replicas in `moerl rl`, and the files both ends meet at.
+
+Lanes, fastest first (benchmarks/results/weight_sync.json):
+  shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
+       replica reads them from shared-memory rings: same host only;
+  net  the same pieces over gloo (TCP): replicas on other hosts;
+  fs   rank 0 gathers every layer and writes safetensors + a commit marker to the run dir;
+       the replicas read the whole version: any host with the run dir mounted, block-fp8
+       checkpoints, and the fallback.
+
+The sharded lanes meet through the run directory: for version N every trainer rank writes
+`sync/vNNNNNN/rank{r}.json` (its senders' join info per replica) and then sends; the
+orchestrator, once all ranks' files are there, drives each replica's update (pause, update
+naming every rank's sender, resume) while the ranks send.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LaneChoice", "choose_lane", "sync_dir", "read_infos"]
+
+
+@dataclass(frozen=True)
+class LaneChoice:
+    lane: str  # "shm", "net" or "fs"
+    why: str
+
+
+def choose_lane(requested: str, *, local_replicas: bool, block_fp8: bool, shm_problem: str | None) -> LaneChoice:
+    """The lane for this run: the requested one, or under 'auto' the fastest that works here."""
+    if requested != "auto":
+        if requested != "fs" and block_fp8:
+            raise ValueError(f"inference.weight_sync = '{requested}' streams plain tensors, but the checkpoint is "
+                             "block-fp8: use 'fs' (or 'auto')")
+        if requested == "shm" and shm_problem:
+            raise ValueError(f"inference.weight_sync = 'shm' cannot work here ({shm_problem}): use 'net' or 'auto'")
+        return LaneChoice(requested, "set by inference.weight_sync")
+    if block_fp8:
+        return LaneChoice("fs", "the checkpoint is block-fp8, which only the filesystem lane exports")
+    if not local_replicas:
+        return LaneChoice("net", "replicas are given as endpoints (maybe other hosts): sharded stream over gloo")
+    if shm_problem:
+        return LaneChoice("net", f"no shared memory here ({shm_problem}): sharded stream over gloo")
+    return LaneChoice("shm", "replicas run on this host: sharded stream through shared memory")
+
+
+def sync_dir(run_dir: Path, version: int) -> Path:
+    return run_dir / "sync" / f"v{version:06d}"
+
+
+def read_infos(run_dir: Path, version: int, ranks: int, *, alive=lambda: None, timeout_s: float = 3600.0
+               ) -> list[list[dict]]:
+    """Every trainer rank's senders' join info for `version`: [rank][replica]."""
+    d = sync_dir(run_dir, version)
+    deadline = time.time() + timeout_s
+    while not all((d / f"rank{r}.json").exists() for r in range(ranks)):
+        alive()
+        if time.time() > deadline:
+            raise TimeoutError(f"trainer ranks did not offer weights v{version} after {timeout_s:.0f}s")
+        time.sleep(0.02)
+    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(ranks)]
