@@ -5,7 +5,8 @@ plans with ``vllm_ext.weights.plan`` and sends with ``ShardedSender``, exactly a
 ``rl_loop.trainer.ShardedPublisher`` does from a live model. Prints its senders' join info
 (one JSON line), then "sent <bytes>" or "error <message>". ``--fault``: ``corrupt`` flips a
 byte of the first shared-memory piece after it was hashed; ``shape`` announces one tensor
-transposed; ``stall`` stops halfway through the verify pass (the test kills it there).
+transposed; ``stall`` stops every sending thread at its third piece of the verify pass
+(the test kills it there).
 
 usage: python tests/integration/sharded_sender.py CKPT RANK WORLD VERSION --tp 1,2 [--lane shm|net] [--fault F]
 """
@@ -59,11 +60,11 @@ def main() -> None:
             publish(self, n, digest)
 
         RingWriter._publish = corrupt_first
-    count = [0]
+    per_thread = threading.local()  # one sending thread per receiver worker: each stalls halfway
 
     def read(p):
-        count[0] += 1
-        if args.fault == "stall" and count[0] == len(pieces) // 2:
+        per_thread.n = getattr(per_thread, "n", 0) + 1
+        if args.fault == "stall" and per_thread.n == 3:
             print("midway", flush=True)
             threading.Event().wait()
         return w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous()

@@ -185,7 +185,8 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.expected.items()}
         t0 = time.perf_counter()
         rss0 = _reset_peak_rss()
-        nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load, version=info.version)
+        nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load, version=info.version,
+                                      agree=_tp_agree)
         extra = _peak_rss() - rss0
         dt = time.perf_counter() - t0
         self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
@@ -228,6 +229,18 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                         live.copy_(saved)
                 raise WeightUpdateError(f"applying the update failed, previous weights restored: {exc}") from exc
             raise WeightUpdateError(f"applying the update failed (no rollback snapshot): {exc}") from exc
+
+
+def _tp_agree(ok: bool) -> bool:
+    """True when every TP worker of this replica is ok (a MIN all-reduce on vLLM's CPU group)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
 
 
 def _status_kb(key: str) -> int:

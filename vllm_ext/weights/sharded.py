@@ -188,10 +188,13 @@ class ShardedReceiver:
 
     def receive(self, infos: Sequence[dict], needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None,
                 apply: Callable[[Iterator[tuple[str, torch.Tensor]]], None], *, version: int,
-                budget: int = 32 << 20) -> int:
+                budget: int = 32 << 20, agree: Callable[[bool], bool] = lambda ok: ok) -> int:
         """One update from every trainer rank (``infos``: one ``update_info`` each); ``needs``:
         name -> the box this worker loads. ``apply`` consumes the (name, tensor) iterator
-        (vLLM's ``load_weights``). Returns the bytes received per pass."""
+        (vLLM's ``load_weights``). ``agree(ok)`` tells the replica's other workers whether
+        this one verified everything and returns whether all did: no worker of a replica
+        applies unless every one can (the swap is all or nothing per replica). Returns the
+        bytes received per pass."""
         manifests: dict[int, dict] = {}
         digests: dict[int, list[int]] = {}
         errors: dict[int, str] = {}
@@ -235,6 +238,8 @@ class ShardedReceiver:
             failure = check_cover(pieces, needs)
             if failure:
                 failure = f"the senders' pieces do not make up this worker's weights: {failure}"
+        if not agree(not failure) and not failure:
+            failure = "another worker of this replica refused the update"
         dtypes = {m.name: m.dtype for m in (expected or {}).values()}
         for man in manifests.values():
             for m in man["tensors"]:
