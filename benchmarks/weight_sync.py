@@ -331,6 +331,38 @@ def sharded_section(mb: int) -> dict:
     return out
 
 
+def rl_sync_section(tmp: Path, steps: int = 4, port: int = 18631) -> dict:
+    """`moerl rl` (tiny Kimi-K2, 2 trainer ranks, 2 replicas) once per lane, same config:
+    per step the trainer's publish seconds (fs: gather + write) plus the orchestrator's sync
+    seconds (replicas pause, receive, apply, resume), medians over the steps that publish
+    no checkpoint (the last step also writes fs weights for --resume)."""
+    import subprocess
+
+    out: dict = {"config": "configs/tiny_kimi_k2.toml", "steps": steps, "trainer_ranks": 2, "replicas": 2}
+    for lane in ("fs", "shm"):
+        run_dir = tmp / f"rl-{lane}"
+        cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs/tiny_kimi_k2.toml"),
+               "--set", f"run_dir={run_dir}", "--set", f"inference.base_port={port}",
+               "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
+               "--set", f"train.steps={steps}", "--set", "train.nproc=2", "--set", "train.checkpoint_interval=100",
+               "--set", f"inference.weight_sync={lane}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"moerl rl ({lane}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        trainer = {r["step"]: json.loads((run_dir / "trainer" / f"metrics_{r['step']:06d}.json").read_text())
+                   for r in recs}
+        rows = [{"step": r["step"], "publish_s": trainer[r["step"]]["publish_s"], "sync_s": r["sync_s"],
+                 "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"]} for r in recs]
+        steady = [x for x in rows if x["step"] < steps]
+        out[lane] = {"command": " ".join(cmd), "per_step": rows,
+                     "median_total_s": statistics.median(x["total_s"] for x in steady),
+                     "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
+                                            if "weight sync lane" in line), None)}
+    out["fs_over_shm"] = out["fs"]["median_total_s"] / out["shm"]["median_total_s"]
+    return out
+
+
 def server_pause_to_resume(tmp: Path) -> dict:
     from rl_loop.tiny_models import make_tiny_checkpoint
     from tests.integration.test_weight_sync import hf_tensors, metas_of, server
@@ -367,6 +399,7 @@ def main() -> None:
     ap.add_argument("--sizes-mb", default="100,1024,4096")
     ap.add_argument("--no-server", action="store_true")
     ap.add_argument("--sharded-mb", type=int, default=256, help="bytes of the sharded/Mooncake runs (0: skip)")
+    ap.add_argument("--rl", action="store_true", help="also time `moerl rl` steps on the fs and shm lanes")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/weight_sync.json"))
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     args = ap.parse_args()
@@ -416,6 +449,8 @@ def main() -> None:
                 "fs": max(r["gbps"] for r in runs if r["transport"] == "fs"),
                 "note": "bytes moved per second on one host (2 cores, shared); a sharded update moves its bytes "
                         "twice (verify + apply pass)"}
+        if args.rl:
+            result["moerl_rl_sync"] = rl_sync_section(tmp)
         if not args.no_server:
             ptr = server_pause_to_resume(tmp)
             result["pause_to_resume"] = ptr

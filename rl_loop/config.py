@@ -96,10 +96,11 @@ class InferenceConfig:
     kv_pool_rpc_port: Port = knob(18551, "mooncake_master RPC port")
     kv_pool_metrics_port: Port = knob(18552, "mooncake_master metrics port")
     kv_pool_segment_gib: StrictFloat = knob(0.25, "memory each managed replica lends the KV pool (CPU RAM)", gt=0)
-    weight_sync: Literal["auto", "shm", "net", "fs"] = knob(
+    weight_sync: Literal["auto", "shm", "net", "te", "fs"] = knob(
         "auto", "how new weights reach the replicas: 'shm' (every trainer rank streams its own slices through "
-                "shared memory, same host), 'net' (the same over gloo/TCP), 'fs' (safetensors in the run dir); "
-                "'auto' picks the fastest that works here and logs why")
+                "shared memory, same host), 'net' (the same over gloo/TCP), 'te' (the same pulled with Mooncake "
+                "Transfer Engine: RDMA where the cluster has it), 'fs' (safetensors in the run dir); 'auto' picks "
+                "the fastest that works here and logs why")
 
     @model_validator(mode="after")
     def _pool_has_replicas(self) -> InferenceConfig:

@@ -173,7 +173,7 @@ class ShardedPublisher:
         self.slices = {s.name: s for s in mine}
         self.replica_tp = replica_tp
         self.sender = ShardedSender(self.rank, len(needs), timeout_s=timeout_s,
-                                    shm=RingShape() if lane == "shm" else None)
+                                    shm=RingShape() if lane == "shm" else None, te=lane == "te")
 
     def publish(self, run_dir: Path, version: int) -> dict:
         """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join."""

@@ -4,6 +4,9 @@ Lanes, fastest first (benchmarks/results/weight_sync.json):
   shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
        replica reads them from shared-memory rings: same host only;
   net  the same pieces over gloo (TCP): replicas on other hosts;
+  te   the same pieces pulled by the replicas with Mooncake Transfer Engine (P2P, no master;
+       TCP here, RDMA where the cluster has it); only when asked for: over TCP on loopback
+       it measured below gloo here;
   fs   rank 0 gathers every layer and writes safetensors + a commit marker to the run dir;
        the replicas read the whole version: any host with the run dir mounted, block-fp8
        checkpoints, and the fallback.
@@ -36,6 +39,10 @@ def choose_lane(requested: str, *, local_replicas: bool, block_fp8: bool, shm_pr
         if requested != "fs" and block_fp8:
             raise ValueError(f"inference.weight_sync = '{requested}' streams plain tensors, but the checkpoint is "
                              "block-fp8: use 'fs' (or 'auto')")
+        from vllm_ext.weights.te import te_problem
+
+        if requested == "te" and (problem := te_problem()):
+            raise ValueError(f"inference.weight_sync = 'te' cannot work here ({problem}): use 'net' or 'auto'")
         if requested == "shm" and shm_problem:
             raise ValueError(f"inference.weight_sync = 'shm' cannot work here ({shm_problem}): use 'net' or 'auto'")
         return LaneChoice(requested, "set by inference.weight_sync")

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("world", type=int)
     ap.add_argument("version", type=int)
     ap.add_argument("--tp", default="1")
-    ap.add_argument("--lane", default="shm", choices=["shm", "net"])
+    ap.add_argument("--lane", default="shm", choices=["shm", "net", "te"])
     ap.add_argument("--fault", default="", choices=["", "corrupt", "shape", "stall"])
     ap.add_argument("--bucket-bytes", type=int, default=1 << 20)
     args = ap.parse_args()
@@ -46,7 +46,7 @@ def main() -> None:
     needs = [n for tp in map(int, args.tp.split(",")) for n in replica_needs(shapes, tp)]
     pieces = [p for p in reshard(list(shapes), owned, needs) if p.sender == args.rank]
     sender = ShardedSender(args.rank, len(needs), timeout_s=60, bucket_bytes=args.bucket_bytes,
-                           shm=RingShape() if args.lane == "shm" else None)
+                           shm=RingShape() if args.lane == "shm" else None, te=args.lane == "te")
     announced = dict(shapes)
     if args.fault == "shape":
         name = next(n for n, s in shapes.items() if len(s) == 2 and s[0] != s[1] and "layers.1." in n)

@@ -73,7 +73,8 @@ def test_weights_package_import_graph_is_acyclic():
     # the layout: one leaf of shared primitives, one module per transport, orchestration on top
     assert w["format"] == set() and w["channel"] == set()
     assert w["wire"] == {"format"} and w["shm"] == {"format"}
-    assert w["stream"] == {"format", "shm", "channel"}
+    assert w["te"] == {"format", "shm"}  # the Mooncake Transfer Engine lane: slots, hashes as the ring's
+    assert w["stream"] == {"format", "shm", "te", "channel"}
     assert w["plan"] == set()  # the resharding plan: shapes and layouts only
     assert w["sharded"] == {"format", "plan", "shm", "stream"}
     assert w["engine"] == {"format", "wire", "stream", "plan", "sharded"}

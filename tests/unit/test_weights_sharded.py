@@ -26,13 +26,13 @@ def weights() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
 
 
-def run(tp_rank: int, *, shm: RingShape | None, expected_shape=None, bucket_bytes=2048):
+def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape=None, bucket_bytes=2048):
     w = weights()
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     needs_all = replica_needs(shapes, 2)
     owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
     pieces = reshard(list(shapes), owned, [needs_all[tp_rank]])
-    senders = [ShardedSender(r, 1, timeout_s=30, bucket_bytes=bucket_bytes, shm=shm) for r in range(RANKS)]
+    senders = [ShardedSender(r, 1, timeout_s=30, bucket_bytes=bucket_bytes, shm=shm, te=te) for r in range(RANKS)]
     infos = [s.update_infos(5)[0] for s in senders]
     expected = {n: TensorMeta(n, "bfloat16", expected_shape if expected_shape and n.endswith("o_proj.weight") else s)
                 for n, s in shapes.items()}
@@ -65,11 +65,13 @@ def run(tp_rank: int, *, shm: RingShape | None, expected_shape=None, bucket_byte
     return w, needs_all[tp_rank], got, err, errors, senders
 
 
-@pytest.mark.parametrize("shm", [RingShape(2, 4096), None], ids=["shm", "net"])
+@pytest.mark.parametrize("lane", ["shm", "net", "te"])
 @pytest.mark.parametrize("tp_rank", [0, 1])
-def test_worker_gets_exactly_its_boxes_from_both_ranks(tp_rank, shm):
-    w, need, got, err, send_errors, _ = run(tp_rank, shm=shm)
+def test_worker_gets_exactly_its_boxes_from_both_ranks(tp_rank, lane):
+    w, need, got, err, send_errors, senders = run(tp_rank, shm=RingShape(2, 4096) if lane == "shm" else None,
+                                                  te=lane == "te")
     assert err is None and not send_errors
+    assert all(s.lanes == {0: lane} for s in senders)
     assert sorted(got) == sorted(w)
     for n, t in got.items():
         idx = tuple(slice(a, b) for a, b in need[n])

@@ -39,7 +39,7 @@ class Groups:
     gen: int
     ctl: object
     done: object
-    net: dict[tuple[int, ...], list] = field(default_factory=dict)
+    net: dict[tuple, list] = field(default_factory=dict)
 
 
 class _Channel:
@@ -58,13 +58,14 @@ class _Channel:
         self.groups = Groups(gen, self._group(self.rank, self.world_size, f"g{gen}/ctl"),
                              self._group(self.rank, self.world_size, f"g{gen}/done"))
 
-    def net(self, net_ranks: list[int], streams: int) -> list:
-        """The network lane's ``streams`` groups among the sender and ``net_ranks``."""
-        key = tuple(net_ranks)
+    def net(self, net_ranks: list[int], streams: int, kind: str = "net") -> list:
+        """``streams`` groups among the sender and ``net_ranks``, for a lane (``kind``: the
+        network lane's broadcasts, or the TE lane's descriptors and acknowledgements)."""
+        key = (kind, *net_ranks)
         if key not in self.groups.net:
             sub = 0 if self.rank == 0 else 1 + net_ranks.index(self.rank)
-            tag = "-".join(map(str, key))
-            self.groups.net[key] = [self._group(sub, 1 + len(key), f"g{self.groups.gen}/net{i}/{tag}")
+            tag = "-".join(map(str, net_ranks))
+            self.groups.net[key] = [self._group(sub, 1 + len(net_ranks), f"g{self.groups.gen}/{kind}{i}/{tag}")
                                     for i in range(streams)]
         return self.groups.net[key]
 

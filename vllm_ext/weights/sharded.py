@@ -64,13 +64,15 @@ class ShardedSender:
 
     ``update_infos(version)`` gives what each worker needs to join (collected from all
     ranks by whoever drives the replicas' HTTP protocol); ``send`` then runs both passes
-    to every worker at once. ``shm=None`` forces the network lane (gloo)."""
+    to every worker at once. ``shm=None`` forces the network lane (gloo), or with ``te``
+    the Mooncake Transfer Engine lane (``te.py``)."""
 
     def __init__(self, rank: int, receivers: int, *, addr: str = "127.0.0.1", timeout_s: float = 120.0,
-                 bucket_bytes: int = 16 << 20, streams: int = 1, shm: RingShape | None = RingShape()):
+                 bucket_bytes: int = 16 << 20, streams: int = 1, shm: RingShape | None = RingShape(),
+                 te: bool = False):
         self.rank = rank
         self.senders = [StreamSender(2, addr=addr, timeout_s=timeout_s, bucket_bytes=bucket_bytes, streams=streams,
-                                     shm=shm) for _ in range(receivers)]
+                                     shm=shm, te=te) for _ in range(receivers)]
         self.lanes: dict[int, str] = {}
 
     def update_infos(self, version: int) -> list[dict]:

@@ -27,6 +27,7 @@ import torch
 from .channel import ReceiverChannel, SenderChannel
 from .format import FORMAT, TensorMeta, WeightUpdateError, check_against, digest, dtype_name, dtype_of, hasher
 from .shm import RingShape, ShmRing, choose, read_ring, sweep
+from .te import TeOffer, TeSink, TeSource, sink_host, te_problem
 
 __all__ = ["StreamSender", "StreamReceiver", "StagingCache", "UpdateRefused", "stream_receive", "unit_plan"]
 
@@ -99,8 +100,8 @@ class UpdateRefused(WeightUpdateError):
     sender's channel stays usable."""
 
 
-LANE_NET, LANE_SHM = 1, 2
-LANES = {LANE_NET: "net", LANE_SHM: "shm"}
+LANE_NET, LANE_SHM, LANE_TE = 1, 2, 3
+LANES = {LANE_NET: "net", LANE_SHM: "shm", LANE_TE: "te"}
 
 
 def _trailer(total: int, manifest: bytes, aborted: bool) -> torch.Tensor:
@@ -153,7 +154,7 @@ class StreamSender:
 
     def __init__(self, world_size: int, *, addr: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 120.0, bucket_bytes: int = 64 << 20, streams: int = 2,
-                 shm: RingShape | None = RingShape()):
+                 shm: RingShape | None = RingShape(), te: bool = False):
         self.addr, self.world_size, self.timeout_s, self.bucket_bytes = addr, world_size, timeout_s, bucket_bytes
         self.channel = SenderChannel(addr, port, world_size, timeout_s)
         self.port = self.channel.port
@@ -168,12 +169,14 @@ class StreamSender:
             except OSError as exc:
                 logger.warning("moerl weights: no shared-memory lane (%s); every receiver takes the network path", exc)
         self.lanes: dict[int, str] = {}  # receiver rank -> lane it chose, for the last update
+        self.te = TeSource(host=addr) if te else None  # Mooncake TE slots (te.py), offered when shm is not taken
 
     def update_info(self, rank: int, version: int) -> dict:
         return {"transport": "stream", "version": int(version), "addr": self.addr, "port": self.port,
                 "rank": rank, "world_size": self.world_size, "timeout_s": self.timeout_s,
                 "session": self._session(version), "sender": self.token,
-                "shm": self.ring.offer().to_json() if self.ring else None}
+                "shm": self.ring.offer().to_json() if self.ring else None,
+                "te": self.te.offer().to_json() if self.te else None}
 
     def _session(self, version: int) -> str:
         return f"{int(version)}-{self._sends}"
@@ -216,7 +219,9 @@ class StreamSender:
         watch = groups.done.allreduce([refused])
         ring = self.ring.writer(readers, watch) if readers else None
         net_lane = _NetLane(self.channel.net(net, self.streams), self._buckets) if net else None
-        lanes = [lane for lane in (ring, net_lane) if lane]
+        te_ranks = [r for r in range(1, self.world_size) if votes[r] == LANE_TE]
+        te_lane = self.te.writer(*self.channel.net(te_ranks, 2, kind="te")) if te_ranks else None
+        lanes = [lane for lane in (ring, net_lane, te_lane) if lane]
         units = unit_plan(metas, self.bucket_bytes)
         trailer = _trailer(sum(_unit_bytes(metas, u) for u in units), manifest, aborted=False)
         digests = torch.zeros(len(units), dtype=torch.int64)
@@ -228,8 +233,9 @@ class StreamSender:
                 digests[k] = unit_digest(t for _, t in parts)
                 for lane in lanes:
                     lane.put(parts, _unit_bytes(metas, unit))
-            if net_lane:
-                net_lane.finish()
+            for lane in (net_lane, te_lane):
+                if lane:
+                    lane.finish()
             # every piece is out: ring readers may see the trailer while they copy the last ones
             sent = [groups.ctl.broadcast(trailer, 0), groups.ctl.broadcast(digests, 0)]
             if ring:
@@ -254,6 +260,9 @@ class StreamSender:
     def close(self) -> None:
         self.channel = None
         self._buckets = [None] * self.streams
+        if self.te is not None:
+            self.te.close()
+            self.te = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -315,6 +324,7 @@ class StreamReceiver:
         self._sender: tuple | None = None
         self.ring: ShmRing | None = None
         self._offer: dict | None | object = _UNCHOSEN
+        self.sink: TeSink | None = None
 
     def _lane(self, offer: dict | None, reader: int) -> ShmRing | None:
         if offer != self._offer:
@@ -335,7 +345,7 @@ class StreamReceiver:
         session: str | None = None, sender: str | None = None, shm: dict | None = None,
         version: int | None = None, expected: dict[str, TensorMeta] | None = None,
         on_unit: Callable | None = None, check: Callable[[dict], str | None] | None = None,
-        expect: list[int] | None = None, **_ignored,
+        expect: list[int] | None = None, te: dict | None = None, **_ignored,
     ) -> tuple[int, list[tuple[str, torch.Tensor]]] | tuple[int, dict, list[int]]:
         """One update: (version, [(name, tensor)] in manifest order).
 
@@ -353,6 +363,7 @@ class StreamReceiver:
         streaming = on_unit is not None
         port, rank, world_size = int(port), int(rank), int(world_size)
         ring = self._lane(shm, rank - 1)
+        te_offer = TeOffer(**te) if te and ring is None and te_problem() is None else None
         key = (addr, port, rank, world_size, sender)
         if self._sender != key:
             self.channel, self._sender = None, None
@@ -364,7 +375,8 @@ class StreamReceiver:
         ch = self.channel
         closed = False
         try:
-            votes, manifest_bytes = ch.open(session or str(version), LANE_SHM if ring else LANE_NET)
+            votes, manifest_bytes = ch.open(session or str(version),
+                                            LANE_SHM if ring else LANE_TE if te_offer else LANE_NET)
             manifest = json.loads(manifest_bytes)
             if manifest.get("format") != FORMAT:
                 raise WeightUpdateError(f"stream: unexpected manifest format {manifest.get('format')!r}")
@@ -406,6 +418,14 @@ class StreamReceiver:
                 refusal = read_ring(ring, rank - 1, sizes, bufs, watch,
                                     on_unit=(lambda u: unit_done(u, bufs[u])) if use else None)
                 watch.wait()
+            elif te_offer is not None:
+                if self.sink is None or self.sink.bounce.numel() < te_offer.slot_bytes:
+                    self.sink = TeSink(te_offer.slot_bytes, sink_host(te_offer))
+                desc_pg, ack_pg = ch.net([r for r in range(1, world_size) if votes[r] == LANE_TE], 2, kind="te")
+                bufs = None if mismatch is not None else self.staging.buffers(sizes, scratch=streaming, ways=ways)
+                refusal = self.sink.read(te_offer, sizes, bufs, desc_pg, ack_pg,
+                                         on_unit=(lambda u: unit_done(u, bufs[u])) if use else None)
+                _bcast(ch.groups.ctl, trailer)
             else:
                 pgs = ch.net([r for r in range(1, world_size) if votes[r] == LANE_NET], int(manifest["streams"]))
                 bufs = self.staging.buffers(sizes, scratch=mismatch is not None or streaming,
@@ -447,6 +467,9 @@ class StreamReceiver:
         self.staging.clear()
         self.channel, self._sender = None, None
         self._drop_ring()
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
 
 def stream_receive(**update_info) -> tuple[int, list[tuple[str, torch.Tensor]]]:
