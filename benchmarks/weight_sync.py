@@ -231,7 +231,8 @@ def _sharded_rank(rank: int, world: int, nbytes: int, lane: str, rounds: int, q)
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, world)) if b] for n, s in shapes.items()}
     pieces = [p for p in reshard(list(shapes), owned, replica_needs(shapes, 1)) if p.sender == rank]
-    s = ShardedSender(rank, 1, timeout_s=600, bucket_bytes=64 << 20, shm=RingShape() if lane == "shm" else None)
+    s = ShardedSender(rank, 1, timeout_s=600, bucket_bytes=64 << 20, shm=RingShape() if lane == "shm" else None,
+                      te=lane == "te")
     for r in range(rounds):
         q.put(s.update_infos(r + 1)[0])
         s.send(pieces, lambda p: w[p.name][tuple(slice(a, b) for a, b in p.box)], {n: "bfloat16" for n in w},
@@ -316,14 +317,17 @@ def mooncake_te_run(nbytes: int, rounds: int = 3) -> dict:
             "protocol": "tcp", "handshake": "P2PHANDSHAKE (no master)"}
 
 
+LANES = ("shm", "net", "te")
+
+
 def sharded_section(mb: int) -> dict:
     n = mb * 1_000_000
     mem_warm, _ = memcpy_limit(list(_synthetic(n).items()))
-    runs = [sharded_run(n, k, lane) for lane in ("shm", "net") for k in (1, 2)]
+    runs = [sharded_run(n, k, lane) for lane in LANES for k in (1, 2)]
     by = {(r["lane"], r["senders"]): r for r in runs}
-    out = {"memcpy_gbps": mem_warm, "runs": runs,
-           "two_over_one_sender": {lane: by[(lane, 2)]["gbps_per_pass"] / by[(lane, 1)]["gbps_per_pass"]
-                                   for lane in ("shm", "net")}}
+    out = {"command": " ".join([sys.executable, "-m", __spec__.name, *sys.argv[1:]]), "memcpy_gbps": mem_warm,
+           "runs": runs, "two_over_one_sender": {lane: by[(lane, 2)]["gbps_per_pass"] / by[(lane, 1)]["gbps_per_pass"]
+                                                 for lane in LANES}}
     try:
         out["mooncake_te"] = mooncake_te_run(n)
     except Exception as exc:  # noqa: BLE001 - recorded: the wheel or its libraries may be missing
@@ -400,6 +404,9 @@ def main() -> None:
     ap.add_argument("--no-server", action="store_true")
     ap.add_argument("--sharded-mb", type=int, default=256, help="bytes of the sharded/Mooncake runs (0: skip)")
     ap.add_argument("--rl", action="store_true", help="also time `moerl rl` steps on the fs and shm lanes")
+    ap.add_argument("--merge", action="store_true",
+                    help="add this run's sharded/lane/moerl rl sections to the existing --out file (keeping its "
+                         "earlier sections; each section carries its own command)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/weight_sync.json"))
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     args = ap.parse_args()
@@ -408,7 +415,7 @@ def main() -> None:
     runs, limits, profiles = [], [], []
     load_at_start = os.getloadavg()
     try:
-        for mb in [int(x) for x in args.sizes_mb.split(",")]:
+        for mb in [int(x) for x in args.sizes_mb.split(",") if x]:
             items = make_weights(mb * 1_000_000)
             n = total_bytes(items)
             mem_warm, mem_fresh = memcpy_limit(items)
@@ -439,16 +446,19 @@ def main() -> None:
             "limits": limits,
             "stream_profile": profiles,
         }
+        if args.merge:
+            result = {**json.loads(Path(args.out).read_text()), "merged_by": result["command"]}
+            runs = result["runs"]
         if args.sharded_mb:
             sh = sharded_section(args.sharded_mb)
             result["sharded"] = sh
-            best = {lane: max(r["gbps_per_pass"] for r in sh["runs"] if r["lane"] == lane) for lane in ("shm", "net")}
+            best = {lane: max(r["gbps_per_pass"] for r in sh["runs"] if r["lane"] == lane) for lane in LANES}
             result["lane_rates_gbps"] = {
-                "memcpy": sh["memcpy_gbps"], "sharded_shm_per_pass": best["shm"], "sharded_net_per_pass": best["net"],
-                "mooncake_te_tcp_loopback": sh["mooncake_te"].get("gbps"),
-                "fs": max(r["gbps"] for r in runs if r["transport"] == "fs"),
-                "note": "bytes moved per second on one host (2 cores, shared); a sharded update moves its bytes "
-                        "twice (verify + apply pass)"}
+                "memcpy": sh["memcpy_gbps"], **{f"sharded_{lane}_per_pass": best[lane] for lane in LANES},
+                "mooncake_te_raw_tcp_loopback": sh["mooncake_te"].get("gbps"),
+                "fs": max((r["gbps"] for r in runs if r["transport"] == "fs"), default=None),
+                "note": "bytes moved per second on one host (2 cores, shared), all but fs measured in the same run "
+                        "as memcpy; a sharded update moves its bytes twice (verify + apply pass)"}
         if args.rl:
             result["moerl_rl_sync"] = rl_sync_section(tmp)
         if not args.no_server:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from titan_ext.weights import hf_metadata, iter_hf_weights, layer_groups
+from titan_ext.weights import hf_metadata, iter_hf_weights, layer_groups, owned_hf_slices, read_owned
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,12 @@ def test_export_equals_checkpoint(tiny_checkpoint, arch, dtype):
     # layer by layer: all of layer i before anything of layer i+1
     layer_of = [int(k.split(".")[2]) for k, _ in items if k.startswith("model.layers.")]
     assert layer_of == sorted(layer_of)
+    # the sharded export's view of an unsharded model: every tensor whole, in the same order
+    state = model.state_dict()
+    owned = owned_hf_slices(model)
+    assert [s.name for s in owned] == [k for k, _ in items]
+    for s in owned:
+        assert s.box == tuple((0, n) for n in s.shape) and torch.equal(read_owned(state, s, s.box, wire), got[s.name])
 
 
 WORKER = textwrap.dedent('''
@@ -76,6 +82,22 @@ WORKER = textwrap.dedent('''
         bad = [k for k in ref if not torch.equal(out[k], ref[k])]
         assert not bad, bad[:5]
         print(f"OK local {local} of {full}")
+    # sharded export: this rank's boxes read from its own shard equal the checkpoint's, and
+    # the two ranks' boxes tile every tensor exactly (nothing gathered)
+    from titan_ext.weights import owned_hf_slices, read_owned
+    from vllm_ext.weights.plan import Piece, check_cover
+    ref = load_file(sys.argv[2] + "/model.safetensors")
+    state = model.state_dict()
+    mine = owned_hf_slices(model)
+    for s in mine:
+        want = ref[s.name][tuple(slice(a, b) for a, b in s.box)]
+        assert torch.equal(read_owned(state, s, s.box, torch.bfloat16), want), s
+    boxes = [None, None]
+    dist.all_gather_object(boxes, [(s.name, s.box) for s in mine])
+    if rank == 0:
+        pieces = [Piece(n, b, r, 0) for r, lst in enumerate(boxes) for n, b in lst]
+        assert check_cover(pieces, {k: tuple((0, d) for d in v.shape) for k, v in ref.items()}) is None
+        print(f"OK sharded {len(boxes[0])} + {len(boxes[1])} boxes")
     dist.barrier()  # rank 1 must not tear gloo down while rank 0 still checks (SIGABRT otherwise)
     dist.destroy_process_group()
 ''')
@@ -93,3 +115,4 @@ def test_export_from_fsdp2_shards(tiny_checkpoint, tmp_path):
     line = next(l for l in r.stdout.splitlines() if "OK local" in l)
     local, full = map(int, line.split()[2::2])
     assert local < full * 0.6  # each rank holds about half: nothing was gathered up front
+    assert "OK sharded" in r.stdout

@@ -45,7 +45,8 @@ from .sharded import ShardedReceiver
 from .stream import StreamReceiver
 from .wire import read_fs
 
-logger = logging.getLogger("vllm_ext.weights")
+# under vLLM's logger: its handler prints INFO lines (update applied, seconds, peak extra memory) in the server log
+logger = logging.getLogger("vllm.moerl.weights")
 
 
 @dataclass
