@@ -149,7 +149,7 @@ class ShardedPublisher:
     only is exchanged), sent straight from its own shards each step: nothing is gathered."""
 
     def __init__(self, model: torch.nn.Module, replica_tp: list[int], lane: str, wire_dtype: torch.dtype,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 600.0):
         from titan_ext.weights import hf_metadata, owned_hf_slices
         from vllm_ext.weights.format import dtype_name
         from vllm_ext.weights.plan import replica_needs, reshard
