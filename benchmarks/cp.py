@@ -211,8 +211,10 @@ def measure_indexer(args, dev, dtype, shards: SequenceShards, clock: Clock) -> d
         except torch.OutOfMemoryError:
             entry[f"{name}_error"] = "out of memory"
     sels = entry.pop("selections")
-    if len(sels) == 2:  # the keys each query may see (a query with fewer than top-k also picks later ones)
-        entry["same_selection_fraction"] = round((sels[0] == sels[1]).all(-1).float().mean().item(), 4)
+    if len(sels) == 2:  # of the keys each query may see (one with fewer than top-k also picks later ones)
+        both = torch.cat(sels, -1).sort(-1).values
+        common = ((both[..., 1:] == both[..., :-1]) & (both[..., 1:] >= 0)).sum()
+        entry["selection_overlap"] = round(common.item() / max(1, (sels[0] >= 0).sum().item()), 5)
     if entry.get("chunked_peak_gib_above_inputs") and entry.get("dense_logits_peak_gib_above_inputs"):
         entry["chunked_over_dense_peak"] = round(
             entry["chunked_peak_gib_above_inputs"] / entry["dense_logits_peak_gib_above_inputs"], 4)
@@ -230,13 +232,13 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dev = cuda_device() if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.seq % (2 * world):
         raise SystemExit(f"--seq {args.seq} must be a multiple of 2 x the number of processes ({2 * world})")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = cuda_device() if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shards = SequenceShards(init_device_mesh(dev.type, (world,), mesh_dim_names=("cp",)), "headtail")
     clock = Clock()

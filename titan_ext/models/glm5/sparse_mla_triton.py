@@ -107,7 +107,7 @@ def _query_tile(Q, POS, tok, q_len, kv_len, n_heads, stride_qt, stride_qh,
                 D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """Position, first kv row of its sequence, offsets, head mask and the query tile of token `tok`."""
     pos, row0 = _token_pos(POS, tok, q_len, kv_len)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)  # head offsets times a head stride can pass 2**31
     offs_v = tl.arange(0, D_V)
     offs_r = tl.arange(0, D_R)
     hmask = offs_h < n_heads
@@ -225,7 +225,7 @@ def _bwd_dkv_kernel(
     tok = tok0 + loc
     pos, row0 = _token_pos(POS, tok, q_len, kv_len)
     W: tl.constexpr = D_V // SPLIT_V
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)  # head offsets times a head stride can pass 2**31
     offs_a = tl.arange(0, W)
     offs_r = tl.arange(0, D_R)
     hmask = offs_h < n_heads
