@@ -224,6 +224,8 @@ def _prefix_plugins(block_size_tokens: int, kv_events: KvEvents | None) -> tuple
         {"name": "token-producer", "type": "token-producer"},
         {"name": "precise-prefix", "type": "precise-prefix-cache-producer", "parameters": {
             "tokenProcessorConfig": {"blockSizeTokens": kv_events.block_size_tokens},
+            # the index's admissions, lookups and hits on the picker's /metrics
+            "indexerConfig": {"kvBlockIndexConfig": {"enableMetrics": True}},
             "kvEventsConfig": {"zmqEndpoint": kv_events.endpoint, "topicFilter": "kv@", "discoverPods": False},
         }},
     ]
