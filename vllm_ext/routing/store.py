@@ -243,9 +243,10 @@ class RoutingStore:
 
     def reset(self) -> None:
         """Forget every block (after a prefix-cache reset or a weight update:
-        new weights route differently, so old blocks must not be reused)."""
+        new weights route differently, so old blocks must not be reused). Blocks loaded from a
+        pool and not yet taken in are kept: the scheduler looks them up after asking for the
+        reset, before the worker applies it, so they belong to the new generation."""
         self._blocks.clear()
-        self._loaded.clear()
         for st in self._requests.values():
             st.published_blocks = 0
 

