@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,27 @@ def test_master_and_replicas_listen_where_the_config_says(tmp_path):
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_module_path"] == "vllm_ext.kv_pool" and kv["kv_role"] == "kv_both"
     assert env == {"MOONCAKE_CONFIG_PATH": str(master.config_path), "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
+    """`moerl rl`'s orchestrator starts mooncake_master where the config says, listening on loopback only
+    (no HTTP metadata server), and stops it."""
+    import psutil
+
+    from rl_loop.orchestrator import Orchestrator
+
+    cfg = RLConfig.from_toml(Path(__file__).resolve().parents[2] / "configs" / "tiny_kimi_k2.toml", {
+        "inference.kv_pool": "mooncake", "inference.kv_pool_rpc_port": 9661, "inference.kv_pool_metrics_port": 9662,
+        "run_dir": str(tmp_path / "run"), "inference.cpus": "", "train.cpus": ""})
+    orch = Orchestrator(cfg)
+    extra, env = orch.start_kv_pool()
+    master = orch.kv_master
+    try:
+        assert master.metrics()["master_key_count"] == 0
+        listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(master.process.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {("127.0.0.1", 9661), ("127.0.0.1", 9662)}
+        assert env["MOONCAKE_CONFIG_PATH"] == str(tmp_path / "run" / "kv_pool" / "mooncake.json")
+    finally:
+        master.stop()
+    assert master.process.poll() is not None
