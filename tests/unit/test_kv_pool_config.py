@@ -59,3 +59,17 @@ def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
     finally:
         master.stop()
     assert master.process.poll() is not None
+
+
+def test_vllm_cpu_workers_need_no_patch_for_the_connectors_cuda_event():
+    """MooncakeStoreConnector.wait_for_save calls torch.cuda.Event().record() (mooncake/store/worker.py).
+    vllm-cpu's worker imports vllm/v1/worker/cpu/shm.py, which replaces torch.cuda.Event by a no-op
+    placeholder, so no moerl patch is needed; this fails if a vllm-cpu release stops doing that."""
+    import subprocess
+    import sys
+
+    code = ("import torch, vllm.v1.worker.cpu_worker\n"
+            "e = torch.cuda.Event(); e.record(); e.synchronize(); print(type(e).__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "_EventPlaceholder"
