@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .layout import AC_MODES, H200_BYTES, Layout, PlanError, Workload, check_layout
+from .layout import AC_MODES, H200_BYTES, RECIPES, Layout, PlanError, Workload, check_layout
 from .model import MODELS, load_arch, param_counts
 from .rates import RESULTS_DIR, Rates
 from .report import plan_dict, plan_text, rates_text, weights_text
@@ -51,10 +51,21 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=_count, help="FSDP shard degree (default: trainer GPUs / cp)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="fp8 MoE experts, or bf16 with --no-fp8 (default: searched)")
-    p.add_argument("--ac", choices=AC_MODES, help="activation checkpointing per layer (default: searched)")
-    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
-                   help="tokens per LM-head + loss chunk; 0: the whole local sequence, as moerl's trainer does "
-                        "(default %(default)s)")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="titan_ext",
+                   help="memory techniques: titan_ext (what titan_ext and moerl's trainer run today: optimizer "
+                        "state on the GPU, whole-sequence loss, AC none|full) or prime_rl (its GLM-5 131k config: "
+                        "optimizer-state offload, 1024-token LM-head chunks, AC none|full|offload; planner-only "
+                        "here); the three flags below override it (default %(default)s)")
+    p.add_argument("--ac", choices=AC_MODES,
+                   help="activation checkpointing per layer; offload is planner-only "
+                        "(default: searched over the recipe's)")
+    p.add_argument("--loss-chunk", type=int, metavar="N",
+                   help="tokens per LM-head + loss chunk; 0: the whole local sequence, as moerl's trainer does; "
+                        "> 0 is planner-only (default: the recipe's)")
+    p.add_argument("--optim-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="AdamW moments in host memory between steps (planner-only) (default: the recipe's)")
+    p.add_argument("--host-gbps", type=float, default=25.0,
+                   help="GB/s per GPU between host and GPU, for --optim-offload (assumed) (default %(default)s)")
     p.add_argument("--internode-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (assumed: one 400 Gb/s NIC per GPU) (default %(default)s)")
     p.add_argument("--gpu-gb", type=float, default=H200_BYTES / 1e9, help="GB per GPU (default %(default)s)")
@@ -84,9 +95,12 @@ def weights_parser() -> argparse.ArgumentParser:
 def run_train(argv: list[str]) -> int:
     a = train_parser().parse_args(argv)
     rates = Rates(a.results)
+    recipe = RECIPES[a.recipe]
     work = Workload(model=a.model, seq_len=a.seq_len, trainer_gpus=a.trainer_gpus, inference_gpus=a.inference_gpus or 0,
-                    batch=a.batch, sample_tokens=a.sample_tokens, loss_chunk=a.loss_chunk,
-                    gpu_bytes=a.gpu_gb * 1e9, internode_gbps=a.internode_gbps)
+                    batch=a.batch, sample_tokens=a.sample_tokens,
+                    loss_chunk=recipe.loss_chunk if a.loss_chunk is None else a.loss_chunk,
+                    optim_offload=recipe.optim_offload if a.optim_offload is None else a.optim_offload,
+                    gpu_bytes=a.gpu_gb * 1e9, internode_gbps=a.internode_gbps, host_gbps=a.host_gbps)
     num_experts = load_arch(a.model).num_experts
     cp = a.cp or 1
     check_layout(Layout(cp=cp, ep=a.ep or 1, fsdp=a.fsdp or a.trainer_gpus // cp, fp8=bool(a.fp8), ac=a.ac or "none"),
@@ -96,21 +110,24 @@ def run_train(argv: list[str]) -> int:
         plan = make_plan(layout, work, rates)
         if not plan.fits(work):
             raise PlanError(f"{plan.layout.label()} needs {plan.memory.total / 1e9:.1f} GB per GPU, over the "
-                            f"{work.gpu_bytes / 1e9:.0f} GB of one GPU: raise --cp or --ep, use --ac offload or "
-                            f"--loss-chunk, or leave the layout out to search")
+                            f"{work.gpu_bytes / 1e9:.0f} GB of one GPU: raise --cp or --ep, use --ac offload, "
+                            f"--loss-chunk or --optim-offload (planner-only), or leave the layout out to search")
         plans, tried = [plan], 1
     else:
-        plans, tried = search(work, rates, top=a.top, cp=a.cp, ep=a.ep, fsdp=a.fsdp, fp8=a.fp8, ac=a.ac)
+        plans, tried = search(work, rates, top=a.top, cp=a.cp, ep=a.ep, fsdp=a.fsdp, fp8=a.fp8, ac=a.ac,
+                              ac_modes=recipe.ac_modes)
         if not plans:
             raise PlanError(f"none of the {tried} layouts tried fits {work.model} at --seq-len {work.seq_len} in "
-                            f"{work.gpu_bytes / 1e9:.0f} GB per GPU: add trainer GPUs, or use --loss-chunk")
+                            f"{work.gpu_bytes / 1e9:.0f} GB per GPU: add trainer GPUs, or try --recipe prime_rl "
+                            f"(planner-only memory techniques)")
     if a.json:
-        print(json.dumps({"model": a.model, "workload": vars(work) | {"tokens_per_step": work.tokens_per_step},
+        print(json.dumps({"model": a.model, "recipe": a.recipe,
+                          "workload": vars(work) | {"tokens_per_step": work.tokens_per_step},
                           "layouts_tried": tried, "plans": [plan_dict(p, work, a.replica_tokens_per_s) for p in plans],
                           "rates": plans[0].time.rates}, indent=2))
         return 0
     print(f"{a.model}, {work.seq_len} tokens per sequence, {work.batch} samples x {work.tokens_per_sample} tokens "
-          f"per step, {work.trainer_gpus} trainer GPUs: "
+          f"per step, {work.trainer_gpus} trainer GPUs, recipe {a.recipe}: "
           + (f"the fastest {len(plans)} of {tried} layouts that fit" if tried > 1 else "the layout given"))
     for i, p in enumerate(plans, 1):
         print(f"\n{i}. " + plan_text(p, work, a.replica_tokens_per_s))

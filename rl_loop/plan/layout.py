@@ -9,6 +9,27 @@ H200_BYTES = 141e9
 GPUS_PER_NODE = 8
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """The memory techniques a run uses beyond the mesh: the defaults of `--optim-offload`,
+    `--loss-chunk` and the AC modes a search tries when `--ac` is not given."""
+
+    optim_offload: bool
+    loss_chunk: int
+    ac_modes: tuple[str, ...]
+
+
+# titan_ext: what `torchtitan train --extension titan_ext` and moerl's trainer run today.
+# prime_rl: PrimeIntellect-ai/prime-rl examples/advanced/glm-5.2/swe-llmd.toml on top of its trainer
+# defaults (configs/trainer.py ModelConfig: optim_cpu_offload = True, fp32 optimization and reduce
+# dtypes): fused_lm_head_token_chunk_size = 1024, [trainer.model.ac] freq = 1 with
+# [trainer.model.ac_offloading] max_inflight_activations = 1.
+RECIPES = {
+    "titan_ext": Recipe(optim_offload=False, loss_chunk=0, ac_modes=("none", "full")),
+    "prime_rl": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=AC_MODES),
+}
+
+
 class PlanError(ValueError):
     """A combination that cannot run; the message is one line saying what to change."""
 
@@ -25,8 +46,10 @@ class Workload:
     batch: int = 256
     sample_tokens: int = 0  # 0: every sample fills a whole sequence
     loss_chunk: int = 0  # tokens per LM-head + loss chunk; 0: the whole local sequence at once
+    optim_offload: bool = False  # AdamW moments in host memory between steps, on the GPU only for step()
     gpu_bytes: float = H200_BYTES
     internode_gbps: float = 50.0  # per GPU, one 400 Gb/s NIC each: not measurable here, a flag
+    host_gbps: float = 25.0  # per GPU, host <-> GPU over PCIe: not measured here, a flag
 
     @property
     def tokens_per_sample(self) -> int:
@@ -81,3 +104,19 @@ def check_layout(layout: Layout, work: Workload, num_experts: int) -> None:
                         f"ranks from the FSDP x CP group")
     if work.loss_chunk < 0 or work.seq_len < 1 or work.batch < 1:
         raise PlanError("--seq-len, --batch must be >= 1 and --loss-chunk >= 0")
+    if work.sample_tokens > work.seq_len:
+        raise PlanError(f"--sample-tokens {work.sample_tokens} is over --seq-len {work.seq_len}: a sample is packed "
+                        f"into one sequence, raise --seq-len or shorten the samples")
+
+
+def planner_only(layout: Layout, work: Workload) -> list[str]:
+    """The choices of a plan that titan_ext / moerl's trainer cannot run today (the planner
+    models them; each names what prime-rl's trainer does instead)."""
+    out = []
+    if layout.ac == "offload":
+        out.append("AC offload (layer inputs to host memory; prime-rl model.ac_offloading)")
+    if work.optim_offload:
+        out.append("optimizer-state offload (AdamW moments on host between steps; prime-rl model.optim_cpu_offload)")
+    if work.loss_chunk:
+        out.append(f"chunked LM head + loss, {work.loss_chunk} tokens (prime-rl model.fused_lm_head_token_chunk_size)")
+    return out

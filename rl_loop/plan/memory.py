@@ -123,7 +123,10 @@ def dense_ffn(arch, tokens: int) -> LayerMemory:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per trainer GPU; `total` is what must fit, `host` what AC/optimizer offload moves to CPU."""
+    """Bytes per trainer GPU; `total` is the peak that must fit, `host` what AC/optimizer offload
+    keeps in host memory. With `optimizer_on_host` the AdamW moments come to the GPU only for the
+    optimizer step, when the forward/backward working set (unsharded weights, activations,
+    logits) is gone, so the peak holds the larger of the two, not both."""
 
     params: float
     grads: float
@@ -135,11 +138,16 @@ class MemoryBreakdown:
     host: float
     attention_layer: LayerMemory
     ffn_layer: LayerMemory
+    optimizer_on_host: bool = False
+
+    @property
+    def working(self) -> float:
+        return self.unsharded + self.activations + self.logits
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.unsharded + self.activations + self.logits
-                + self.reserved)
+        state = max(self.optimizer, self.working) if self.optimizer_on_host else self.optimizer + self.working
+        return self.params + self.grads + state + self.reserved
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
@@ -150,10 +158,12 @@ class MemoryBreakdown:
 
 
 def memory_per_gpu(arch, counts: ParamCounts, layout: Layout, work: Workload) -> MemoryBreakdown:
-    """FSDP2 mixed precision as moerl trains: fp32 master weights and gradients and AdamW's two
-    fp32 moments, sharded over fsdp x cp ranks (routed experts over EP, then over the rest);
-    two layers' bf16 weights unsharded in flight (one prefetched) and one layer's gradients
-    before their reduce-scatter; activations of `seq_len / cp` local tokens."""
+    """FSDP2 mixed precision as moerl (and prime-rl, optimization_dtype = reduce_dtype = float32)
+    trains: fp32 master weights and gradients and AdamW's two fp32 moments, sharded over fsdp x cp
+    ranks (routed experts over EP, then over the rest); two layers' bf16 weights unsharded in
+    flight (one prefetched) and one layer's gradients before their reduce-scatter; activations of
+    `seq_len / cp` local tokens. With `work.optim_offload` the moments live in host memory between
+    steps (prime-rl's CPUOffloadOptimizer) and count in `host`."""
     shard = layout.fsdp * layout.cp
     local = counts.total / shard
     tokens = work.seq_len // layout.cp
@@ -185,7 +195,10 @@ def memory_per_gpu(arch, counts: ParamCounts, layout: Layout, work: Workload) ->
     else:
         activations = 2 * layer_input + layer_peak
         host = counts.n_layers * layer_input
+    optimizer = 2 * local * FP32
+    if work.optim_offload:
+        host += optimizer
     return MemoryBreakdown(
-        params=local * FP32, grads=local * FP32, optimizer=2 * local * FP32, unsharded=unsharded,
+        params=local * FP32, grads=local * FP32, optimizer=optimizer, unsharded=unsharded,
         activations=activations, logits=logits, reserved=RESERVED_BYTES, host=host,
-        attention_layer=attn, ffn_layer=moe)
+        attention_layer=attn, ffn_layer=moe, optimizer_on_host=work.optim_offload)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .layout import Workload
+from .layout import Workload, planner_only
 from .memory import LayerMemory
 from .rates import Rate
 from .search import Plan
@@ -29,6 +29,7 @@ def plan_dict(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
     return {
         "layout": {**asdict(plan.layout), "dp_replicate": plan.layout.replicas(work.trainer_gpus)},
         "fits": plan.fits(work),
+        "planner_only": planner_only(plan.layout, work),
         "memory_bytes": plan.memory.to_dict(),
         "comm_bytes_per_step": plan.comm.to_dict(),
         "step_time_s": plan.time.to_dict(),
@@ -45,13 +46,20 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
     m, c, t = plan.memory, plan.comm, plan.time
     tokens = work.seq_len // plan.layout.cp
     inf = inference_need(plan, work, replica_tokens_per_s)
+    assumed = planner_only(plan.layout, work)
+    optimizer = f"optimizer {m.optimizer / GB:.1f}"
+    if m.optimizer_on_host:
+        optimizer += (f" (on the GPU for the step only: the peak holds the larger of it and the "
+                      f"{m.working / GB:.1f} GB working set)")
     lines = [
         f"{plan.layout.label()}  (dp_replicate {plan.layout.replicas(work.trainer_gpus)}): "
         f"{m.total / GB:.1f} GB per GPU of {work.gpu_bytes / GB:.0f} ({'fits' if plan.fits(work) else 'DOES NOT FIT'}), "
         f"predicted step {t.total:.1f} s",
-        f"  memory per GPU (GB): params {m.params / GB:.1f}, grads {m.grads / GB:.1f}, optimizer {m.optimizer / GB:.1f}, "
+        "  " + ("PLANNER-ONLY (titan_ext cannot run this today): " + "; ".join(assumed) if assumed
+                else "runs on titan_ext today"),
+        f"  memory per GPU (GB): params {m.params / GB:.1f}, grads {m.grads / GB:.1f}, {optimizer}, "
         f"unsharded in flight {m.unsharded / GB:.1f}, activations {m.activations / GB:.1f}, "
-        f"logits {m.logits / GB:.1f}, reserved {m.reserved / GB:.1f}; host (AC offload) {m.host / GB:.1f}",
+        f"logits {m.logits / GB:.1f}, reserved {m.reserved / GB:.1f}; host (offload) {m.host / GB:.1f}",
         f"  one layer at {tokens} local tokens (no checkpointing):",
         _layer("attention (DSA/MLA)", m.attention_layer),
         _layer("MoE block", m.ffn_layer),
@@ -61,7 +69,8 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
         f"  step time (s), {t.sequences_per_rank} sequences per rank: attention {t.attention:.1f}, MoE {t.moe:.1f}, "
         f"dense+LM head {t.dense:.1f}, AC recompute {t.recompute:.1f}, unmodelled (calibrated) {t.unmodelled:.1f}, "
         f"EP all-to-all {t.ep_all_to_all:.1f}, "
-        f"CP gathers {t.cp_gather:.2f}, FSDP not hidden {t.fsdp_exposed:.1f}",
+        f"CP gathers {t.cp_gather:.2f}, FSDP not hidden {t.fsdp_exposed:.1f}, optimizer offload copies "
+        f"{t.optimizer_offload:.1f}",
         f"  inference: {inf['tokens_per_s_needed']:.0f} tokens/s to keep the trainer busy"
         + (f" ({inf['tokens_per_s_per_inference_gpu']:.0f} per inference GPU)" if work.inference_gpus else "")
         + (f", {inf['replicas_needed']} replicas at {replica_tokens_per_s:g} tokens/s" if replica_tokens_per_s else ""),

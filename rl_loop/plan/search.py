@@ -39,13 +39,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(work: Workload, num_experts: int, *, cp: int | None = None, ep: int | None = None,
-                      fsdp: int | None = None, fp8: bool | None = None, ac: str | None = None) -> list[Layout]:
+                      fsdp: int | None = None, fp8: bool | None = None, ac: str | None = None,
+                      ac_modes: tuple[str, ...] = AC_MODES) -> list[Layout]:
     """Every layout that passes `check_layout`, with the given choices fixed (FSDP over all ranks a
-    CP group leaves, unless `fsdp` is given)."""
+    CP group leaves, unless `fsdp` is given; AC over `ac_modes` unless `ac` is given)."""
     out = []
     cps = [cp] if cp else [c for c in _divisors(work.trainer_gpus) if work.seq_len % c == 0]
     for c, e, f8, a in itertools.product(cps, [ep] if ep else _divisors(num_experts),
-                                         [fp8] if fp8 is not None else [True, False], [ac] if ac else AC_MODES):
+                                         [fp8] if fp8 is not None else [True, False], [ac] if ac else ac_modes):
         layout = Layout(cp=c, ep=e, fsdp=fsdp or work.trainer_gpus // c, fp8=f8, ac=a)
         try:
             check_layout(layout, work, num_experts)

@@ -1,21 +1,22 @@
 """Predicted trainer step time from the rates measured on one H200 (and two for EP).
 
 Per sequence and rank: the attention layers at the measured DSA / dense MLA times (fitted as
-a*N + b*N^2 through the two measured lengths, split over CP ranks), the MoE blocks at the
-measured titan_ext block TFLOP/s, the dense FFNs and LM head at the measured dense matmul
-rate, one more forward under activation checkpointing, plus the EP all-to-all and CP gathers
-(on the critical path) and whatever FSDP traffic the compute does not hide. What these parts
-leave out (norms, residual adds, the router's top-k, the loss, the optimizer step, framework
-time) is calibrated on a whole training step measured on one H200 (benchmarks.train_step): the
-measured step time minus the same parts predicted for that step, per token and layer, added
-per local token and layer.
+a*N + b*N^2 through the two measured lengths, the quadratic part per packed sample, split over
+CP ranks), the MoE blocks at the measured titan_ext block TFLOP/s, the dense FFNs and LM head
+at the measured dense matmul rate, one more forward under activation checkpointing, plus the EP
+all-to-all and CP gathers (on the critical path), whatever FSDP traffic the compute does not
+hide, and with optimizer-state offload the moments' copy to the GPU and back around the
+optimizer step. What these parts leave out (norms, residual adds, the router's top-k, the
+loss, the optimizer step, framework time) is calibrated on a whole training step measured on
+one H200 (benchmarks.train_step): the measured step time minus the same parts predicted for
+that step, per token and layer, added per local token and layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .comm import CommVolume, sequences_per_rank
+from .comm import FP32, CommVolume, sequences_per_rank
 from .layout import GPUS_PER_NODE, Layout, Workload
 from .model import load_arch, param_counts
 from .rates import DSAPoint, Rate, Rates
@@ -33,13 +34,14 @@ class StepTime:
     ep_all_to_all: float
     cp_gather: float
     fsdp_exposed: float
+    optimizer_offload: float
     sequences_per_rank: int
     rates: dict[str, str]
 
     @property
     def total(self) -> float:
         return (self.attention + self.moe + self.dense + self.recompute + self.unmodelled + self.ep_all_to_all
-                + self.cp_gather + self.fsdp_exposed)
+                + self.cp_gather + self.fsdp_exposed + self.optimizer_offload)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -61,8 +63,10 @@ def _attention_flops(arch) -> tuple[float, float]:
     return proj, 2 * h * (qk + arch.v_head_dim)
 
 
-def attention_seconds(arch, points: list[DSAPoint], seq_len: int, cp: int, glm5_arch) -> float:
-    """One attention layer's fwd+bwd on one of `cp` ranks sharing a `seq_len` sequence.
+def attention_seconds(arch, points: list[DSAPoint], seq_len: int, cp: int, glm5_arch, doc_len: int = 0) -> float:
+    """One attention layer's fwd+bwd on one of `cp` ranks sharing a `seq_len` sequence packed
+    with samples of `doc_len` tokens (0: one sample fills it); each sample attends only to itself,
+    so the quadratic part is paid per sample.
 
     GLM-5: the measured DSA layer (linear sparse attention + quadratic indexer). Other MLA
     models: the dense MLA attention measured at GLM-5's widths, its linear part scaled by
@@ -73,7 +77,8 @@ def attention_seconds(arch, points: list[DSAPoint], seq_len: int, cp: int, glm5_
         a, b = fit_quadratic([(p.tokens, p.dense_ms.value) for p in points])
         (proj, core), (proj_g, core_g) = _attention_flops(arch), _attention_flops(glm5_arch)
         a, b = a * proj / proj_g, b * core / core_g
-    return (a * seq_len + b * seq_len**2) / cp / 1e3
+    doc = doc_len or seq_len
+    return (a * seq_len + b * doc * seq_len) / cp / 1e3
 
 
 def moe_flops_per_token(arch) -> float:
@@ -83,12 +88,12 @@ def moe_flops_per_token(arch) -> float:
 
 
 def compute_parts(arch, glm5_arch, counts, model: str, fp8: bool, seq_len: int, cp: int, seqs: int,
-                  rates: Rates) -> tuple[float, float, float, dict[str, Rate]]:
+                  rates: Rates, doc_len: int = 0) -> tuple[float, float, float, dict[str, Rate]]:
     """(attention, MoE, dense + LM head) seconds of `seqs` sequences on one rank, and the rates used."""
     tokens = seq_len // cp
     moe_rate = rates.moe_block_tflops(model, fp8, tokens)
     dense_rate = rates.dense_tflops()
-    attention = seqs * counts.n_layers * attention_seconds(arch, rates.dsa_points(), seq_len, cp, glm5_arch)
+    attention = seqs * counts.n_layers * attention_seconds(arch, rates.dsa_points(), seq_len, cp, glm5_arch, doc_len)
     moe = seqs * counts.n_moe_layers * tokens * moe_flops_per_token(arch) / (moe_rate.value * 1e12)
     dense_flops = 3 * 2 * tokens * (counts.n_dense_layers * counts.dense_ffn_per_layer + counts.output)
     dense = seqs * dense_flops / (dense_rate.value * 1e12)
@@ -115,7 +120,7 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     tokens = work.seq_len // layout.cp
     seqs = sequences_per_rank(layout, work)
     attention, moe, dense, used = compute_parts(arch, glm5_arch, counts, work.model, layout.fp8, work.seq_len,
-                                                layout.cp, seqs, rates)
+                                                layout.cp, seqs, rates, work.sample_tokens)
     ep_rate = rates.ep_dispatch_gbps(work.model, tokens)
     nvlink = rates.nvlink_collective_gbps(work.model, tokens)
     overhead = unmodelled_per_token_layer(glm5_arch, layout.fp8, rates)
@@ -128,13 +133,19 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     fsdp_gbps = link_gbps(layout.fsdp * layout.cp, nvlink, work.internode_gbps)
     fsdp = (comm.fsdp_all_gather + comm.fsdp_reduce_scatter) / (fsdp_gbps * 1e9)
     replicas = comm.replica_all_reduce / (work.internode_gbps * 1e9)
+    # prime-rl's CPUOffloadOptimizer moves the moments in before step() and out after it, not overlapped
+    moments = 2 * counts.total / (layout.fsdp * layout.cp) * FP32
+    optimizer_offload = 2 * moments / (work.host_gbps * 1e9) if work.optim_offload else 0.0
     source = {
         **{k: str(v) for k, v in used.items()}, "unmodelled_per_token_layer": str(overhead),
         "ep_dispatch_gbps": str(ep_rate), "nvlink_collective_gbps": str(nvlink),
         "internode_gbps": f"{work.internode_gbps:g} GB/s  [--internode-gbps: assumed, no multi-node run here]",
     }
+    if work.optim_offload:
+        source["host_gbps"] = f"{work.host_gbps:g} GB/s  [--host-gbps: assumed, no host-GPU copy measured here]"
     for p in rates.dsa_points():
         source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
     return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, unmodelled=unmodelled,
                     ep_all_to_all=ep, cp_gather=cp, fsdp_exposed=max(0.0, fsdp - compute) + replicas,
+                    optimizer_offload=optimizer_offload,
                     sequences_per_rank=seqs, rates=source)

@@ -1,6 +1,7 @@
 """`moerl plan`: parameter counts against `moerl info`, activation memory against the H200 peaks,
 CP latent-gather volume against the CP formula, weight-update time against weight_sync.json,
-and the command itself (the real console script) on prime-rl's GLM-5 131k setup."""
+and the command itself (the real console script) on prime-rl's GLM-5 131k setup, with titan_ext's
+memory techniques and with prime-rl's (examples/advanced/glm-5.2/swe-llmd.toml)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rl_loop.plan.memory import FP32, dsa_layer, memory_per_gpu, moe_block
 from rl_loop.plan.model import load_arch, param_counts
 from rl_loop.plan.rates import CP, Rates
 from rl_loop.plan.search import make_plan
+from rl_loop.plan.step_time import attention_seconds
 from rl_loop.plan.weights import WeightSyncSetup, lane_rates, transfer_seconds
 from tests.conftest import VENV_BIN
 
@@ -136,26 +138,66 @@ def test_weight_update_ways():
     assert relay[2] == direct[2] == 2e12 / 8 and relay[0] == 2e12 / 8 / 50e9
 
 
-def test_moerl_plan_glm5_131k_on_128_gpus_finds_prime_rl_layout_or_better():
+def _plan_json(*flags: str) -> dict:
     out = subprocess.run([str(VENV_BIN / "moerl"), "plan", "--model", "glm5", "--seq-len", "131072",
-                          "--trainer-gpus", "128", "--json"], capture_output=True, text=True, timeout=60)
+                          "--trainer-gpus", "128", "--json", *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    best = result["plans"][0]
-    assert best["fits"] and best["memory_bytes"]["total"] <= 141e9 and best["step_time_s"]["total"] > 0
     for name, rate in result["rates"].items():  # every rate names its results file and key (or the flag)
-        assert ".json: " in rate or name == "internode_gbps", (name, rate)
-    work = Workload(model="glm5", seq_len=131072, trainer_gpus=128)
+        assert ".json: " in rate or name in ("internode_gbps", "host_gbps"), (name, rate)
+    return result
+
+
+def test_moerl_plan_glm5_131k_prime_rl_recipe_finds_cp4_ep8_or_a_faster_fitting_layout():
+    """With prime-rl's memory techniques (optimizer-state offload, 1024-token LM-head chunks, AC
+    offload: planner-only here), its layout cp 4 / ep 8 fits, and the search's best is cp 4 / ep 8
+    or a layout that fits with a predicted step no longer than cp 4 / ep 8's."""
+    result = _plan_json("--recipe", "prime_rl")
+    work = Workload(model="glm5", seq_len=131072, trainer_gpus=128, loss_chunk=1024, optim_offload=True)
     prime = make_plan(PRIME_RL, work, RATES)
+    assert prime.fits(work)
+    best = result["plans"][0]
+    assert best["fits"] and best["memory_bytes"]["total"] <= 141e9 and best["planner_only"]
     layout = best["layout"]
-    assert (layout["cp"], layout["ep"]) == (4, 8) or not prime.fits(work) \
-        or best["step_time_s"]["total"] <= prime.time.total
+    assert (layout["cp"], layout["ep"]) == (4, 8) or best["step_time_s"]["total"] <= prime.time.total
+
+
+def test_moerl_plan_glm5_131k_titan_ext_recipe_labels_what_runs_today():
+    """The default recipe is what titan_ext runs: no planner-only technique in any plan, and
+    there prime-rl's cp 4 / ep 8 does not fit (the fp32 optimizer state stays on the GPU)."""
+    result = _plan_json()
+    assert result["recipe"] == "titan_ext" and result["plans"]
+    assert all(p["fits"] and not p["planner_only"] and p["layout"]["ac"] != "offload" for p in result["plans"])
+    titan = Workload(model="glm5", seq_len=131072, trainer_gpus=128)
+    assert not make_plan(dataclasses.replace(PRIME_RL, ac="full"), titan, RATES).fits(titan)
+
+
+def test_optimizer_state_offload_holds_the_larger_of_moments_and_working_set():
+    arch = load_arch("glm5")
+    counts = param_counts(arch)
+    on_gpu = memory_per_gpu(arch, counts, PRIME_RL, Workload(model="glm5", seq_len=131072, trainer_gpus=128))
+    work = Workload(model="glm5", seq_len=131072, trainer_gpus=128, optim_offload=True)
+    off = memory_per_gpu(arch, counts, PRIME_RL, work)
+    assert on_gpu.total == on_gpu.params + on_gpu.grads + on_gpu.optimizer + on_gpu.working + on_gpu.reserved
+    assert off.total == off.params + off.grads + max(off.optimizer, off.working) + off.reserved
+    assert off.host == on_gpu.host + off.optimizer
+    plan = make_plan(PRIME_RL, work, RATES)  # the moments' copy in and out is on the step's critical path
+    assert plan.time.optimizer_offload == 2 * off.optimizer / (work.host_gbps * 1e9)
+
+
+def test_attention_quadratic_part_is_paid_per_packed_sample():
+    arch = load_arch("glm5")
+    points = RATES.dsa_points()
+    whole = attention_seconds(arch, points, 131072, 4, arch)
+    packed = attention_seconds(arch, points, 131072, 4, arch, doc_len=32768)
+    assert abs(4 * attention_seconds(arch, points, 32768, 4, arch) / packed - 1) < 1e-12 and packed < whole
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--cp", "3"], "--cp 3 does not divide --seq-len 131072"),
     (["--ep", "7"], "--ep 7 does not divide glm5's 256 experts"),
     (["--cp", "4", "--ep", "8", "--fp8", "--ac", "none"], "needs"),
+    (["--sample-tokens", "200000"], "--sample-tokens 200000 is over --seq-len 131072"),
 ])
 def test_bad_combinations_get_one_line_and_exit_2(flags, message, capsys):
     code = cli.main(["--model", "glm5", "--seq-len", "131072", "--trainer-gpus", "128", *flags])
