@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models.builder import DISPATCHERS, check_moe_options
 from titan_ext.models.fp8_experts import to_fp8
-from titan_ext.teardown import destroy_process_group_together
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 from torchtitan.distributed.utils import set_spmd_backend
 
 from .gpu_bench import LOCAL_EXPERTS, ResultsFile, cuda_device, moe_arg_parser, run_info
@@ -275,3 +275,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -309,4 +309,7 @@ def train(run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from titan_ext.teardown import exit_without_finalizing
+
     main()
+    exit_without_finalizing()

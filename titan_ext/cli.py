@@ -182,9 +182,10 @@ def _run_torchtitan(args: list[str], config) -> None:
                 return config, args
 
         tt_train.ConfigManager = _PrebuiltConfigManager
-    from .teardown import together_on_destroy
+    from .teardown import exit_without_finalizing, together_on_destroy
 
     sys.argv = ["torchtitan", *args]
     with together_on_destroy():  # rank 0 leaves Trainer.train 2 s after the others
         tt_train.main()
     gc.collect()  # TorchTitan's Trainer, which holds the process groups, is garbage only now (teardown.py)
+    exit_without_finalizing()  # some of its groups stay referenced: no finalization for their threads to die in

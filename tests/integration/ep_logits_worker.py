@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import titan_ext  # noqa: F401  (applies patches)
 from titan_ext.options import apply_options, take_options
 from titan_ext.replay import replay_routing
-from titan_ext.teardown import destroy_process_group_together
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 from titan_ext.train_config import trainer_config
 
 
@@ -88,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()
