@@ -83,9 +83,10 @@ WORKER = textwrap.dedent('''
         assert not bad, bad[:5]
         print(f"OK local {local} of {full}")
     # sharded export: this rank's boxes read from its own shard equal the checkpoint's, and
-    # the two ranks' boxes tile every tensor exactly (nothing gathered)
+    # the plan over both ranks' boxes tiles every tensor exactly (buffers, which FSDP2 leaves
+    # whole on every rank, are sent by one of them; nothing gathered)
     from titan_ext.weights import owned_hf_slices, read_owned
-    from vllm_ext.weights.plan import Piece, check_cover
+    from vllm_ext.weights.plan import check_cover, reshard
     ref = load_file(sys.argv[2] + "/model.safetensors")
     state = model.state_dict()
     mine = owned_hf_slices(model)
@@ -95,8 +96,13 @@ WORKER = textwrap.dedent('''
     boxes = [None, None]
     dist.all_gather_object(boxes, [(s.name, s.box) for s in mine])
     if rank == 0:
-        pieces = [Piece(n, b, r, 0) for r, lst in enumerate(boxes) for n, b in lst]
-        assert check_cover(pieces, {k: tuple((0, d) for d in v.shape) for k, v in ref.items()}) is None
+        owned = {}
+        for r, lst in enumerate(boxes):
+            for n, b in lst:
+                owned.setdefault(n, []).append((r, b))
+        need = {k: tuple((0, d) for d in v.shape) for k, v in ref.items()}
+        why = check_cover(reshard(list(need), owned, [need]), need)
+        assert why is None, why
         print(f"OK sharded {len(boxes[0])} + {len(boxes[1])} boxes")
     dist.barrier()  # rank 1 must not tear gloo down while rank 0 still checks (SIGABRT otherwise)
     dist.destroy_process_group()
