@@ -4,8 +4,6 @@ One torchrun per CP degree (`cp_worker.py`, both models in the same run) serves 
 that degree; the single-process reference runs here, on the checkpoint's plain model.
 """
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,14 +99,15 @@ def test_only_latents_are_gathered(single, cp_runs, model):
         assert got["gathered_bytes"] == arch.n_layers * per_layer
 
 
-def test_torchtitan_cli_trains_glm5_with_fsdp2_and_context_parallel_2(tmp_path):
-    """The README's command under torchrun x4: FSDP2 (2) x CP (2), 20 steps."""
+def test_torchtitan_cli_trains_glm5_with_fsdp2_context_parallel_2_and_expert_parallel_2(tmp_path):
+    """The README's command under torchrun x4: the 3D mesh FSDP2 (2) x CP (2), experts over EP (2), 20 steps."""
     proc = run_torchrun(4, str(VENV_BIN / "torchtitan"), "train", "--extension", "titan_ext", "--model", "glm5",
-                        "--flavor", "tiny", "--parallelism.context_parallel_degree", "2", "--training.steps", "20",
+                        "--flavor", "tiny", "--parallelism.context_parallel_degree", "2",
+                        "--parallelism.expert_parallel_degree", "2", "--training.steps", "20",
                         "--dump_folder", str(tmp_path))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert re.search(r"dp_shard=2, cp=2", log), "not FSDP2 x CP2"
+    assert "dp_shard=2, cp=2, tp=1, ep=2" in log, "not FSDP2 x CP2 x EP2"
     assert "Applied Context Parallel (forward wrapping)" not in log, "TorchTitan's per-head CP ran"
     losses = losses_from_log(log)
     assert len(losses) == 20
