@@ -9,11 +9,14 @@ arm plays the same `charclass_turns` groups (same prompts, seeds and group keys)
 `RolloutContext`, as `moerl rl` does, with a different router:
 
 * `llmd_epp`: rl_loop.llmd.LlmdRouter, the picker asked over ext_proc (`inference.router = "llmd"`);
+* `llmd_epp_no_queue_kv`: the same with moerl-rl-scorer's queue and KV weights at 0, i.e. only the
+  signals the embedded router has (in-flight load, version, group affinity) plus the precise prefix
+  match: a diagnostic of how much vLLM's real queue / KV figures move groups off their replica;
 * `embedded`: rl_loop.router.embedded_pick (`inference.router = "embedded"`);
 * `round_robin`: every request to the next replica.
 
-Both replicas' prefix caches are reset (`/reset_prefix_cache`; vLLM then also tells the picker's
-index) before each arm. Figures per arm, from the replicas' own counters: prefix hit rate
+Both replicas' prefix caches are reset (`/reset_prefix_cache`) before each arm, and each llm-d arm
+gets a fresh picker (empty index). Figures per arm, from the replicas' own counters: prefix hit rate
 (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, tokens), requests per replica
 (`vllm:request_success_total`); for the picker, from its own /metrics: p50/p99 of
 `llm_d_epp_scheduler_e2e_duration_seconds` (one scheduling decision) and of
@@ -48,6 +51,7 @@ from rl_loop.router import PickRouter, embedded_pick
 from rl_loop.tasks import get_task
 from router_ext.config import EppPorts, KvEvents, epp_command, parse_endpoints, vllm_kv_events_config, write
 from router_ext.epp_build import LLMD_COMMIT, LLMD_VERSION, Unresolvable, build
+from router_ext.scorer import ScorerParams
 
 RESULTS = Path(__file__).parent / "results" / "llmd_e2e.json"
 
@@ -82,6 +86,18 @@ def histogram_quantile(metrics: dict[str, float], name: str, q: float) -> float 
     if not count:
         return None
     return next(le for le, c in buckets if c >= q * count)
+
+
+def wait_up(metrics_url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            scrape(metrics_url)
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"moerl-epp did not come up (exit {proc.poll()}); see its log") from None
+            time.sleep(0.2)
 
 
 def round_robin() -> PickRouter:
@@ -131,21 +147,27 @@ def main(argv=None) -> int:
                 for e in endpoints]
     epp = None
     try:
-        cfg, _ = write(endpoints, work / "epp", kv_events=events)
-        epp_ports = EppPorts(free_port(), free_port(), free_port())
-        epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports),
-                               stdout=open(work / "epp.log", "w"), stderr=subprocess.STDOUT)
         wait_healthy(replicas, timeout_s=600)
-        epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
         task = get_task("charclass_turns", {"turns": args.turns})
         prompts = task.prompts(random.Random(0), args.groups)
-        arms = {"llmd_epp": LlmdRouter(f"127.0.0.1:{epp_ports.grpc}"), "embedded": embedded_pick,
-                "round_robin": round_robin()}
+        # llm-d arms: (scorer parameters) -> a picker of their own; the others route in this process
+        arms = {"llmd_epp": ScorerParams(), "llmd_epp_no_queue_kv": ScorerParams(w_queue=0.0, w_kv=0.0),
+                "embedded": embedded_pick, "round_robin": round_robin()}
         results = {}
-        for name, router in arms.items():
+        for name, arm in arms.items():
             for r in replicas:
                 post_json(r.base_url + "/reset_prefix_cache")
-            time.sleep(1.0)  # the picker drops its index on the replicas' all-blocks-cleared events
+            if isinstance(arm, ScorerParams):
+                cfg, _ = write(endpoints, work / name, arm, kv_events=events)
+                epp_ports = EppPorts(free_port(), free_port(), free_port())
+                epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports),
+                                       stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+                epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
+                wait_up(epp_metrics, epp)
+                router = LlmdRouter(f"127.0.0.1:{epp_ports.grpc}")
+            else:
+                router = arm
+            time.sleep(1.0)  # the picker has scraped the replicas; ZMQ publishers have (re)connected
             before = [scrape(r.base_url + "/metrics") for r in replicas]
             wall = asyncio.run(play(router, replicas, model, tok, task, prompts, args))
             after = [scrape(r.base_url + "/metrics") for r in replicas]
@@ -159,8 +181,9 @@ def main(argv=None) -> int:
                 "requests_per_replica": dict(zip((r.name for r in replicas), delta["vllm:request_success_total"])),
                 "wall_s": round(wall, 2),
             }
-            if isinstance(router, LlmdRouter):
+            if isinstance(arm, ScorerParams):
                 asyncio.run(router.close())
+                results[name]["scorer_params"] = arm.to_plugin_parameters()
                 results[name]["router_backoffs"] = router.backoffs
                 m = scrape(epp_metrics)
                 decision, request = ("llm_d_epp_scheduler_e2e_duration_seconds",
@@ -175,9 +198,12 @@ def main(argv=None) -> int:
                         k.split('endpoint_name="')[1].split('"')[0]: v
                         for k, v in m.items() if k.startswith("llm_d_epp_scheduler_attempts_total{")},
                     # the precise index: events received from the replicas, blocks admitted, lookups that hit
-                    "kv_events": {name: total(m, name) for name in sorted({k.split("{")[0] for k in m})
-                                  if name.startswith("llm_d_router_epp_kv_cache_") and name.endswith("_total")},
+                    "kv_events": {n: total(m, n) for n in sorted({k.split("{")[0] for k in m})
+                                  if n.startswith("llm_d_router_epp_kv_cache_") and n.endswith("_total")},
                 }
+                epp.terminate()
+                epp.wait(30)
+                epp = None
             print(name, json.dumps(results[name]), flush=True)
         rates = {k: v["prefix_hit_rate"] for k, v in results.items()}
         out = {
@@ -192,6 +218,7 @@ def main(argv=None) -> int:
             "arms": results,
             "hit_rate_ratio_llmd_over_round_robin": _ratio(rates["llmd_epp"], rates["round_robin"]),
             "hit_rate_ratio_llmd_over_embedded": _ratio(rates["llmd_epp"], rates["embedded"]),
+            "hit_rate_ratio_llmd_no_queue_kv_over_embedded": _ratio(rates["llmd_epp_no_queue_kv"], rates["embedded"]),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
