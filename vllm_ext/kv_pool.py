@@ -17,6 +17,21 @@ vLLM's connector as shipped; this subclass adds, in the worker process:
   record exactly as on a local prefix-cache hit. So a request never gets KV from
   the pool without its routing: such a block is recomputed, KV and rows alike.
 
+Pooled blocks are policy-versioned. A block hash says which tokens a block
+holds, not which weights computed it, so every key this replica builds, KV and
+routing, starts with ``routing.pooled.versioned_cache_prefix`` of the policy
+version its model holds (vLLM's ``cache_prefix``, with ``moerl-policy-v<N>``
+added). The version follows the weights in this process (``weights.served``):
+when an update is in the model (the replica is paused), the KV puts already
+queued are finished under the old keys (and loads waited for), then the KV
+key prefix, vLLM's lookup prefixes and the routing keys all move to the new
+version, under the lock every lookup takes. From then on the replica neither
+finds nor loads an older version's blocks, and routing values are keyed when
+their block is published, by the version that computed it. Old versions' keys
+are not deleted here: vLLM's own reset (a pause that clears caches, the
+default of ``/pause`` that moerl's weight sync sends) already runs
+``remove_all`` on the store; otherwise they age out by Mooncake's eviction.
+
 A lookup that cannot reach the store (``mooncake_master`` down) is a miss: the
 replica recomputes. Failed lookups are counted on ``/metrics`` as
 ``moerl:kv_pool_lookup_failures_total{reason}`` (``unreachable``, ``missing``,
@@ -33,11 +48,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult, PoolKey
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    MooncakeLookupResult,
+    PoolKey,
+    RankLocalStoreLayout,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStorePromMetrics
 
 from .routing import capture
-from .routing.pooled import BlockShape, decode_block, encode_block, routing_key
+from .routing.pooled import BlockShape, decode_block, encode_block, routing_key, versioned_cache_prefix
+from .weights import served
 
 logger = logging.getLogger("vllm_ext.kv_pool")
 
@@ -48,6 +68,7 @@ UNREACHABLE, MISSING, CORRUPT = "unreachable", "missing", "corrupt"
 FAILURE_REASONS = (UNREACHABLE, MISSING, CORRUPT)
 # connector-stats operations of this module (status "ok" or a failure reason)
 OP_LOOKUP, OP_GET, OP_PUT = "routing_lookup", "routing_get", "routing_put"
+LOAD_DRAIN_S = 30.0  # how long a version switch waits for KV loads already queued
 
 
 class RoutingPool:
@@ -59,10 +80,18 @@ class RoutingPool:
             raise ValueError("moerl's routing pool needs one KV cache group in one key namespace, hashed per "
                              f"block (groups {len(prefixes)}, block {worker.block_size}, hash block "
                              f"{worker.hash_block_size})")
+        (db,) = worker.token_dbs
+        if type(db.store_layout) is not RankLocalStoreLayout:
+            raise ValueError(f"moerl's routing pool needs vLLM's rank-local store layout, not "
+                             f"{type(db.store_layout).__name__} (leave store_tp_size / prefill_tp_sizes unset)")
         self.worker = worker
         self.store = worker.store
-        self.prefix = prefixes[0][0]
+        self.db = db
+        self.configured_prefix = db.metadata.cache_prefix
         self.block_size = int(worker.block_size)
+        self._lock = threading.Lock()  # a lookup never sees half a version switch
+        self.set_version(served.version())
+        served.subscribe(self.set_version)
         self._orig_lookup = worker.lookup
         worker.lookup = self.lookup
         self.routing: Any = None  # the worker's WorkerRouting, once the capture is bound
@@ -82,6 +111,31 @@ class RoutingPool:
     def key(self, block_hash: bytes | memoryview) -> str:
         return routing_key(PoolKey.build_key_string(self.prefix, block_hash.hex()))
 
+    def set_version(self, version: int) -> None:
+        """Read and write the pool keys of policy `version` from now on (the weights now in the model).
+
+        KV puts already queued were computed by the previous weights: they finish
+        under the previous keys first (vLLM's send thread builds each key when it
+        sends); loads already queued are waited for, up to ``LOAD_DRAIN_S``."""
+        worker, db = self.worker, self.db
+        with self._lock:
+            if worker.kv_send_thread is not None:
+                worker.kv_send_thread.request_queue.join()
+            deadline = time.monotonic() + LOAD_DRAIN_S
+            while worker.recv_request_queue.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.01)
+            db.metadata.cache_prefix = versioned_cache_prefix(self.configured_prefix, version)
+            db.store_layout._key_prefix = PoolKey.build_prefix(db.metadata)  # noqa: SLF001 (built once in vLLM)
+            worker._init_lookup_key_prefixes()  # noqa: SLF001
+            self.prefix = worker._lookup_key_prefixes[0][0]  # noqa: SLF001
+            probe = bytes(range(8))
+            if not (self.prefix.startswith(db.metadata.cache_prefix + "@")
+                    and db.key_for(probe) == PoolKey.build_key_string(self.prefix, probe.hex())):
+                raise RuntimeError(f"moerl kv pool: vLLM's Mooncake store did not take the key prefix of policy "
+                                   f"version {version} (lookup prefix {self.prefix!r}, put key {db.key_for(probe)!r}); "
+                                   "this vLLM version builds its keys differently: update vllm_ext/kv_pool.py")
+        logger.info("moerl kv pool: pool keys of policy version %d from now on (%s)", version, self.prefix)
+
     def _record(self, op: str, t0: float, keys: int, status: str = "ok", failed: int = 0, nbytes: int = 0) -> None:
         self.worker._record_kv_connector_operation(  # noqa: SLF001
             op, time.perf_counter() - t0, keys, num_bytes=nbytes, status=status, num_failed_keys=failed)
@@ -89,8 +143,9 @@ class RoutingPool:
     # ---------------------------------------------------------------- save
 
     def published(self, block_hash: bytes, index: int, rows: bytes) -> None:
-        """A block's rows are complete on this replica (step thread): queue its put."""
-        self._puts.put((block_hash, index, rows))
+        """A block's rows are complete on this replica (step thread): queue its put, keyed now,
+        by the version that computed them."""
+        self._puts.put((self.key(block_hash), index, rows))
 
     def _put_loop(self) -> None:
         import numpy as np
@@ -102,7 +157,7 @@ class RoutingPool:
             shape = self.shape
             dims = (shape.block_size, len(shape.moe_layers), shape.top_k)
             dtype = self.routing.store.dtype
-            keys = [self.key(h) for h, _, _ in batch]
+            keys = [k for k, _, _ in batch]
             values = [encode_block(np.frombuffer(rows, dtype).reshape(dims), shape, i) for _, i, rows in batch]
             t0 = time.perf_counter()
             try:
@@ -118,7 +173,12 @@ class RoutingPool:
     # ---------------------------------------------------------------- lookup
 
     def lookup(self, num_tokens: int, block_hashes: Sequence[Any]) -> MooncakeLookupResult:
-        """vLLM's lookup, restricted to the leading blocks whose routing is pooled and intact."""
+        """vLLM's lookup, restricted to the leading blocks whose routing is pooled and intact
+        (all under the keys of the version this replica serves)."""
+        with self._lock:
+            return self._lookup(num_tokens, block_hashes)
+
+    def _lookup(self, num_tokens: int, block_hashes: Sequence[Any]) -> MooncakeLookupResult:
         routing, bs = self.routing, self.block_size
         n = min(len(block_hashes), (num_tokens - 1) // bs)  # the last token is always computed
         if routing is None or n <= 0:
@@ -144,26 +204,31 @@ class RoutingPool:
         return res
 
     def _fetch(self, block_hashes: Sequence[Any]) -> int:
-        """Load the rows of the blocks the store lacks; how many leading blocks have rows."""
+        """Load the rows of the hit blocks; how many leading blocks have rows.
+
+        Every hit block's rows come from the pool, even when the routing store holds
+        the hash: a lookup can run between a prefix-cache reset (a weight update)
+        and the step that clears the store, whose rows then vanish or are an older
+        version's; the pooled rows are those of the pooled KV."""
         store = self.routing.store
-        need = [(i, bytes(h)) for i, h in enumerate(block_hashes) if not store.has_block(bytes(h))]
-        if not need:
-            return len(block_hashes)
+        if not block_hashes:
+            return 0
+        hashes = [bytes(h) for h in block_hashes]
         t0 = time.perf_counter()
         try:
-            values = self.store.get_batch([self.key(h) for _, h in need])
+            values = self.store.get_batch([self.key(h) for h in hashes])
         except Exception:  # noqa: BLE001
-            values = [b""] * len(need)
-        for k, ((i, h), value) in enumerate(zip(need, values)):
+            values = [b""] * len(hashes)
+        for i, (h, value) in enumerate(zip(hashes, values)):
             try:
                 rows = decode_block(value, self.shape, i)
             except ValueError as exc:
                 reason = MISSING if not value else CORRUPT
                 logger.warning("moerl kv pool: block %d of a prefix is a miss: its routing is %s (%s)", i, reason, exc)
-                self._record(OP_GET, t0, k + 1, reason, 1, sum(len(v) for v in values[:k]))
+                self._record(OP_GET, t0, i + 1, reason, 1, sum(len(v) for v in values[:i]))
                 return i
             store.add_block(h, rows.astype(store.dtype, copy=False))
-        self._record(OP_GET, t0, len(need), nbytes=sum(len(v) for v in values))
+        self._record(OP_GET, t0, len(hashes), nbytes=sum(len(v) for v in values))
         return len(block_hashes)
 
 

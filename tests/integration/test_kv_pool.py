@@ -9,6 +9,10 @@ pool and computes every prompt itself (the reference). Checked, row for row:
   ``vllm:external_prefix_cache_hits_total``), and B's routing record equals C's;
 * blocks whose routing rows are gone from the pool are a miss for KV too (no
   external hit), and the record is still complete and equal to C's;
+* pooled blocks are policy-versioned: after B moved to version v+1 through moerl's
+  weight sync (the same weights pushed as v+1), a prompt A pooled while still on v
+  is no hit on B; once both are on v+1 and A pooled it again, it is a hit on B,
+  and B's record equals C's;
 * with the master killed, B keeps serving by recomputing, its record is complete,
   and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
   failed lookups; with the master back, pool hits resume;
@@ -38,6 +42,7 @@ pytestmark = pytest.mark.slow
 PORTS = {"A": 8771, "B": 8772, "C": 8773}
 POOL = MooncakePool(rpc_port=8781, metrics_port=8782, segment_gib=0.125)
 PROMPT_LEN, BLOCK = 100, 32  # 3 full blocks of 32 are pooled; the last token is always computed
+BLOCKS = PROMPT_LEN // BLOCK
 
 
 def metric(base: str, name: str, **labels: str) -> float:
@@ -55,6 +60,7 @@ class Pool:
     """The master and the three replicas, shared by the module's tests."""
 
     def __init__(self, ckpt, tmp) -> None:
+        self.ckpt, self.tmp = ckpt, tmp
         self.master = MooncakeMaster(POOL, tmp / "kv_pool")
         self.master.start()
         args, env = connector_args(POOL, self.master.config_path)
@@ -108,10 +114,10 @@ def test_prefix_from_the_pool_carries_the_routing_a_replica_computes(pool):
     prompt = pool.prompt()
     keys = pool.master.metrics()["master_key_count"]
     text_a, rec_a = pool.generate("A", prompt)
-    pool.wait_pooled(keys, PROMPT_LEN // BLOCK)
+    pool.wait_pooled(keys, BLOCKS)
     before = hits(pool.base["B"])
     text_b, rec_b = pool.generate("B", prompt)
-    assert hits(pool.base["B"]) - before == PROMPT_LEN // BLOCK * BLOCK  # all 3 blocks came from the pool
+    assert hits(pool.base["B"]) - before == BLOCKS * BLOCK  # all 3 blocks came from the pool
     text_c, rec_c = pool.generate("C", prompt)
     assert rec_b == rec_c and rec_a == rec_c
     assert text_a == text_b == text_c
@@ -123,17 +129,50 @@ def test_blocks_whose_routing_is_gone_are_a_miss_for_kv_too(pool):
     prompt = pool.prompt()
     keys = pool.master.metrics()["master_key_count"]
     pool.generate("A", prompt)
-    pool.wait_pooled(keys, PROMPT_LEN // BLOCK)
+    pool.wait_pooled(keys, BLOCKS)
     client = MooncakeDistributedStore()  # a real client of the same store: drop every routing value
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"{POOL.host}:{POOL.rpc_port}") == 0
     try:
-        assert client.remove_by_regex(".*@moerl-routing$", force=True) >= PROMPT_LEN // BLOCK
+        assert client.remove_by_regex(".*@moerl-routing$", force=True) >= BLOCKS
     finally:
         client.close()
     before = hits(pool.base["B"])
     _, rec_b = pool.generate("B", prompt)
     assert hits(pool.base["B"]) == before  # KV was in the pool, but not without its routing
     assert rec_b == pool.generate("C", prompt)[1]
+
+
+def test_a_weight_update_moves_the_pool_to_the_new_policy_version(pool):
+    from safetensors.torch import load_file
+
+    from vllm_ext.weights.client import push_fs
+    from vllm_ext.weights.wire import write_fs
+
+    version = "moerl:policy_version"
+    v = int(metric(pool.base["A"], version))
+    update = pool.tmp / f"weights-v{v + 1}"  # the served weights again, as version v+1
+    write_fs(update, iter(sorted(load_file(str(pool.ckpt / "model.safetensors")).items())), v + 1)
+    push_fs([pool.base["B"]], update, v + 1)  # B first: A still serves v and pools under v
+    assert (metric(pool.base["A"], version), metric(pool.base["B"], version)) == (v, v + 1)
+    prompt = pool.prompt()
+    keys = pool.master.metrics()["master_key_count"]
+    pool.generate("A", prompt)
+    pool.wait_pooled(keys, BLOCKS)
+    before = hits(pool.base["B"])
+    _, rec_b = pool.generate("B", prompt)
+    assert hits(pool.base["B"]) == before  # A's blocks are version v's: B computes the prompt itself
+    _, rec_c = pool.generate("C", prompt)
+    assert rec_b == rec_c
+
+    push_fs([pool.base["A"], pool.base["B"]], update, v + 1)  # both on v+1; the pause clears B's prefix cache
+    assert metric(pool.base["A"], version) == metric(pool.base["B"], version) == v + 1
+    keys = pool.master.metrics()["master_key_count"]
+    pool.generate("A", prompt)  # computed and pooled under v+1
+    pool.wait_pooled(keys, BLOCKS)
+    before = hits(pool.base["B"])
+    _, rec_b = pool.generate("B", prompt)
+    assert hits(pool.base["B"]) - before == BLOCKS * BLOCK
+    assert rec_b == rec_c
 
 
 def test_master_killed_replicas_recompute_then_hits_resume(pool):
@@ -158,14 +197,14 @@ def test_master_killed_replicas_recompute_then_hits_resume(pool):
         keys = pool.master.metrics().get("master_key_count", 0)
         pool.generate("A", prompt)
         try:
-            pool.wait_pooled(keys, PROMPT_LEN // BLOCK, timeout_s=5)
+            pool.wait_pooled(keys, BLOCKS, timeout_s=5)
             break
         except AssertionError:
             assert time.time() < deadline, "A's blocks never reached the restarted master"
             prompt = pool.prompt()  # A now holds that prompt locally and would not store it again
     before = hits(pool.base["B"])
     _, rec_b = pool.generate("B", prompt)
-    assert hits(pool.base["B"]) - before == PROMPT_LEN // BLOCK * BLOCK
+    assert hits(pool.base["B"]) - before == BLOCKS * BLOCK
     assert rec_b == pool.generate("C", prompt)[1]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_ext.routing.handoff import SHM_DIR, read_rows
-from vllm_ext.routing.pooled import BlockShape, decode_block, encode_block, routing_key
+from vllm_ext.routing.pooled import BlockShape, decode_block, encode_block, routing_key, versioned_cache_prefix
 from vllm_ext.routing.store import RoutingStore
 
 SHAPE = BlockShape(block_size=32, moe_layers=(0, 1, 3), num_experts=64, top_k=8)
@@ -76,3 +76,23 @@ def test_pooled_block_fills_a_request_that_starts_after_it():
     finally:
         s.reaper.unlink_all()
     assert not glob.glob(f"{SHM_DIR}/moerl-r3-{token}-*")
+
+
+def test_pool_keys_are_namespaced_by_policy_version():
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, PoolKey
+
+    assert versioned_cache_prefix("", 0) == "moerl-policy-v0"
+    assert versioned_cache_prefix("team-a", 12) == "team-a@moerl-policy-v12"
+
+    def kv_key(version: int, cache_prefix: str = "") -> str:
+        meta = KeyMetadata("m", 0, 0, 0, 0, cache_prefix=versioned_cache_prefix(cache_prefix, version))
+        return PoolKey.build_key_string(PoolKey.build_prefix(meta), "ab12")
+
+    assert kv_key(3) == "moerl-policy-v3@m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab12"
+    # distinct per version and configured prefix; no version's keys start with another's prefix (v1 vs v12)
+    prefixes = {PoolKey.build_prefix(KeyMetadata("m", 0, 0, 0, 0, cache_prefix=versioned_cache_prefix(p, v))) + "@"
+                for v in (1, 12, 2) for p in ("", "team-a")}
+    assert len(prefixes) == 6 and not any(a != b and b.startswith(a) for a in prefixes for b in prefixes)
+    for bad in (-1, 1.0, "3", True):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            versioned_cache_prefix("", bad)

@@ -2,7 +2,8 @@
 
 When a replica puts a KV block into a shared pool (Mooncake), the rows of the
 block's tokens go into the pool next to it, under the block's key plus
-``ROUTING_SUFFIX``: a replica that later loads the block instead of computing
+``ROUTING_SUFFIX`` (both keys start with ``versioned_cache_prefix``: the policy
+version whose weights computed them): a replica that later loads the block instead of computing
 it has no other way to know which experts those tokens chose. The value is a
 routing record of the record codec (``record.py``: CRC-checked, self-describing),
 whose ``start`` is the block's first position.
@@ -22,9 +23,25 @@ import numpy as np
 
 from .record import RoutingRecord, decode_record, encode_record
 
-__all__ = ["ROUTING_SUFFIX", "BlockShape", "routing_key", "encode_block", "decode_block"]
+__all__ = ["ROUTING_SUFFIX", "VERSION_TAG", "BlockShape", "versioned_cache_prefix", "routing_key", "encode_block",
+           "decode_block"]
 
 ROUTING_SUFFIX = "@moerl-routing"
+VERSION_TAG = "moerl-policy-v"
+
+
+def versioned_cache_prefix(cache_prefix: str, version: int) -> str:
+    """The namespace that starts every pool key (KV and routing) of a replica serving policy `version`.
+
+    A block's hash says which tokens it holds, not which weights computed it: after
+    a weight update the same hash names different KV and routing. vLLM's Mooncake
+    store puts its ``cache_prefix`` (``kv_connector_extra_config``) before every key
+    it builds (``cache_prefix@model@tp_rank:...@hash``); moerl makes that prefix the
+    configured one plus the policy version, so a replica reads and writes only
+    blocks of the weights it serves."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"policy version must be a non-negative integer, got {version!r}")
+    return f"{cache_prefix}@{VERSION_TAG}{version}" if cache_prefix else f"{VERSION_TAG}{version}"
 
 
 def routing_key(kv_key: str) -> str:

@@ -206,9 +206,6 @@ class RoutingStore:
             seg.rows[lo:hi][need] = rows[: hi - lo][need]
             seg.written[lo:hi] = 1
 
-    def has_block(self, block_hash: bytes) -> bool:
-        return block_hash in self._blocks
-
     def add_block(self, block_hash: bytes, rows: np.ndarray) -> None:
         """Rows ``[block_size, L, K]`` of a block computed elsewhere (loaded from a shared pool).
 
