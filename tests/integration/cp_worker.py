@@ -5,7 +5,7 @@ that CP degree, takes the fixed batch (`ep_logits_worker.fixed_batch`: 2 x 48 to
 this rank's batch rows and, with the layout the trainer uses (`SequenceShards.shard`), its
 tokens, labels and recorded expert ids; runs the forward and the backward of the batch's mean
 token cross-entropy, then a replayed forward. Rank 0 saves, per model, the unsharded logits,
-every parameter's full gradient, the replayed logits and loss, and the bytes one rank's latent
+every parameter's full gradient, the replayed logits, per-token losses and loss, and the bytes one rank's latent
 gathers produced in the first forward.
 
 usage: torchrun --nproc_per_node N cp_worker.py GLM5_CKPT KIMI_CKPT CP OUT_FILE
@@ -79,13 +79,15 @@ def run_model(ckpt: str, model: str, cp: int) -> dict:
              for n, p in model_part.named_parameters() if p.grad is not None}
     with torch.no_grad(), replay_routing(model_part, rec):
         replayed = model_part(tok)
-        replay_loss = F.cross_entropy(replayed.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum")
-    torch.distributed.all_reduce(replay_loss)
+        per_token = F.cross_entropy(replayed.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="none")
+    # every rank's per-token losses in global (row, position) order, summed as one process sums them
+    replay_token_losses = unshard(per_token.view_as(lab), rows, pos, tokens.shape)
     shape = (*tokens.shape, logits.size(-1))
     result = {
         "logits": unshard(logits.detach(), rows, pos, shape),
         "replay_logits": unshard(replayed, rows, pos, shape),
-        "replay_loss": (replay_loss / (labels != IGNORE).sum()).item(),
+        "replay_token_losses": replay_token_losses,
+        "replay_loss": (replay_token_losses.sum() / (labels != IGNORE).sum()).item(),
         "grads": grads,
         "gathered_bytes": gathered_bytes,
         "local_tokens": tok.numel(),
