@@ -142,7 +142,7 @@ class Orchestrator:
         from titan_ext.checkpoint import checkpoint_quantization
         from vllm_ext.weights.shm import unsupported_reason
 
-        choice = choose_lane(self.cfg.inference.weight_sync, local_replicas=self.cfg.inference.replicas > 0,
+        choice = choose_lane(self.cfg.inference.weight_sync,
                              block_fp8=checkpoint_quantization(str(init)) is not None,
                              shm_problem=unsupported_reason())
         log(f"weight sync lane: {choice.lane} ({choice.why})")
