@@ -13,14 +13,14 @@ interfaces (its TCP transport has no bind-address option in 0.3.13).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from .replicas import stop_process_group
 
 __all__ = ["MooncakePool", "MooncakeMaster", "connector_args", "LEASE_TTL_MS"]
 
@@ -111,14 +111,4 @@ class MooncakeMaster:
         return out
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.process, timeout_s, kill_wait_s=10)

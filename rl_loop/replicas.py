@@ -156,8 +156,9 @@ def last_error_line(log: str) -> str:
     return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
 
 
-def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:
-    proc = replica.process
+def stop_process_group(proc: subprocess.Popen | None, timeout_s: float, kill_wait_s: float) -> None:
+    """SIGTERM the process group started with `proc` (a server and its workers), SIGKILL it after
+    `timeout_s`; nothing when it already ended."""
     if proc is None or proc.poll() is not None:
         return
     try:
@@ -165,9 +166,13 @@ def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        proc.wait(kill_wait_s)
     except ProcessLookupError:
         pass
+
+
+def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:
+    stop_process_group(replica.process, timeout_s, kill_wait_s=30)
 
 
 def served_model_name(replica: Replica) -> str:
