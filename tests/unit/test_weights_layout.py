@@ -77,7 +77,8 @@ def test_weights_package_import_graph_is_acyclic():
     assert w["stream"] == {"format", "shm", "te", "channel"}
     assert w["plan"] == set()  # the resharding plan: shapes and layouts only
     assert w["sharded"] == {"format", "plan", "shm", "stream"}
-    assert w["engine"] == {"format", "wire", "stream", "plan", "sharded"}
+    assert w["served"] == set()  # the served policy version: told to subscribers, knows no transport
+    assert w["engine"] == {"format", "wire", "stream", "plan", "sharded", "served"}
     assert w["client"] == {"wire", "stream", "shm"}  # function-level imports: seen
     assert w[PACKAGE] == {"api"}  # `from . import api` inside register()
 
