@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli import positive_int
 from .layout import AC_MODES, H200_BYTES, RECIPES, Layout, PlanError, Workload, check_layout
 from .model import MODELS, load_arch, param_counts
 from .rates import RESULTS_DIR, Rates
@@ -15,19 +16,9 @@ from .search import make_plan, search
 from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, plan_weight_sync
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, required=True, help="titan_ext model (full size)")
-    p.add_argument("--trainer-gpus", type=_count, required=True, metavar="G", help="trainer H200s")
+    p.add_argument("--trainer-gpus", type=positive_int, required=True, metavar="G", help="trainer H200s")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR",
                    help="where the measured rates are read (default: the repository's benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
@@ -40,15 +31,15 @@ def train_parser() -> argparse.ArgumentParser:
         "it; leave any of it out to search and print the fastest layouts that fit. `moerl plan weights --help`: the "
         "weight update to inference.")
     _common(p)
-    p.add_argument("--seq-len", type=_count, required=True, metavar="N", help="tokens per packed training sequence")
-    p.add_argument("--inference-gpus", type=_count, metavar="I",
+    p.add_argument("--seq-len", type=positive_int, required=True, metavar="N", help="tokens per packed training sequence")
+    p.add_argument("--inference-gpus", type=positive_int, metavar="I",
                    help="inference H200s, for the tokens/s each must generate (default: not given)")
-    p.add_argument("--batch", type=_count, default=256, help="samples per step (default %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=256, help="samples per step (default %(default)s)")
     p.add_argument("--sample-tokens", type=int, default=0, metavar="N",
                    help="mean tokens per sample (default: --seq-len, every sample fills a sequence)")
-    p.add_argument("--cp", type=_count, help="context-parallel degree (default: searched)")
-    p.add_argument("--ep", type=_count, help="expert-parallel degree (default: searched)")
-    p.add_argument("--fsdp", type=_count, help="FSDP shard degree (default: trainer GPUs / cp)")
+    p.add_argument("--cp", type=positive_int, help="context-parallel degree (default: searched)")
+    p.add_argument("--ep", type=positive_int, help="expert-parallel degree (default: searched)")
+    p.add_argument("--fsdp", type=positive_int, help="FSDP shard degree (default: trainer GPUs / cp)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="fp8 MoE experts, or bf16 with --no-fp8 (default: searched)")
     p.add_argument("--recipe", choices=tuple(RECIPES), default="titan_ext",
@@ -71,7 +62,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gb", type=float, default=H200_BYTES / 1e9, help="GB per GPU (default %(default)s)")
     p.add_argument("--replica-tokens-per-s", type=float, metavar="R",
                    help="generation tokens/s of one inference replica, for the replica count (default: not given)")
-    p.add_argument("--top", type=_count, default=5, help="layouts printed by a search (default %(default)s)")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts printed by a search (default %(default)s)")
     return p
 
 
@@ -80,9 +71,9 @@ def weights_parser() -> argparse.ArgumentParser:
         prog="moerl plan weights", description="Bytes per link and predicted time of one weight update from the "
         "trainer's shards to every inference replica (sharded send, no gather).")
     _common(p)
-    p.add_argument("--inference-gpus", type=_count, required=True, metavar="I", help="inference H200s")
-    p.add_argument("--ep", type=_count, default=1, help="trainer expert-parallel degree (default %(default)s)")
-    p.add_argument("--gpus-per-replica", type=_count, default=8, help="GPUs of one vLLM replica (default %(default)s)")
+    p.add_argument("--inference-gpus", type=positive_int, required=True, metavar="I", help="inference H200s")
+    p.add_argument("--ep", type=positive_int, default=1, help="trainer expert-parallel degree (default %(default)s)")
+    p.add_argument("--gpus-per-replica", type=positive_int, default=8, help="GPUs of one vLLM replica (default %(default)s)")
     p.add_argument("--trainer-link-gbps", type=float, default=50.0,
                    help="GB/s out of each trainer GPU's node share (default %(default)s)")
     p.add_argument("--inference-link-gbps", type=float, default=50.0,
