@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 import traceback
@@ -33,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models import get_arch
@@ -42,8 +40,9 @@ from titan_ext.models.context_parallel import (
     SequenceShards, chunks, flat_segments, latent_gather_bytes, segment_positions,
 )
 from titan_ext.models.matmul import bmm_fp32
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 
-from .gpu_bench import Clock, ResultsFile, cuda_device, run_info, zero_grads
+from .gpu_bench import Clock, ResultsFile, run_info, torchrun_mesh, zero_grads
 
 RESULTS = "benchmarks/results/cp_h200.json"
 MODELS = ("glm5", "kimi_k2")
@@ -232,15 +231,12 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dev = cuda_device() if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+    dev, mesh = torchrun_mesh(cuda, "cp")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.seq % (2 * world):
         raise SystemExit(f"--seq {args.seq} must be a multiple of 2 x the number of processes ({2 * world})")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shards = SequenceShards(init_device_mesh(dev.type, (world,), mesh_dim_names=("cp",)), "headtail")
+    shards = SequenceShards(mesh, "headtail")
     clock = Clock()
     part: dict = {"cp_run": run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"), "cp_layers": []}
     results = ResultsFile(Path(args.out))
@@ -255,9 +251,9 @@ def main() -> None:
     if rank == 0 and "glm5" in args.models:
         part["indexer_topk"] = measure_indexer(args, dev, dtype, shards, clock)
         results.update(part)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group_together()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Local expert counts at EP=8 (384 / 8 and 256 / 8): what one GPU holds of the full models.
 LOCAL_EXPERTS = {"kimi_k2": 48, "glm5": 32}
@@ -81,6 +84,16 @@ def cuda_device() -> torch.device:
     """The GPU, with TF32 allowed for fp32 matmuls: the setting every committed run was made with."""
     torch.backends.cuda.matmul.allow_tf32 = True
     return torch.device("cuda")
+
+
+def torchrun_mesh(cuda: bool, dim: str) -> tuple[torch.device, DeviceMesh]:
+    """This torchrun process's device and a 1-D mesh over all of them, named ``dim``: NCCL with
+    one GPU per process (``LOCAL_RANK``), or gloo on CPU for the small-size checks."""
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dev = cuda_device() if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+    return dev, init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(dim,))
 
 
 def timed(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -47,7 +47,6 @@ import copy
 import dataclasses
 import importlib.util
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -55,7 +54,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models.builder import DISPATCHERS, check_moe_options
@@ -63,7 +61,7 @@ from titan_ext.models.fp8_experts import to_fp8
 from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 from torchtitan.distributed.utils import set_spmd_backend
 
-from .gpu_bench import LOCAL_EXPERTS, ResultsFile, cuda_device, moe_arg_parser, run_info
+from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info, torchrun_mesh
 from .moe_block import block_flops, block_step, build_moe, routing
 
 
@@ -240,12 +238,8 @@ def main() -> None:
     ap.set_defaults(out="benchmarks/results/moe_ep_h200.json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dev, mesh = torchrun_mesh(cuda, "ep")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = cuda_device() if cuda else torch.device("cpu")
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("ep",))
     set_spmd_backend("partial_dtensor")  # functional all_to_all_single on the EP mesh
     results = ResultsFile(Path(args.out))
     res = {**run_info(__spec__.name, launcher=f"torchrun --nproc_per_node {world}"),
