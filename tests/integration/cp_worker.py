@@ -12,15 +12,15 @@ usage: torchrun --nproc_per_node N cp_worker.py GLM5_CKPT KIMI_CKPT CP OUT_FILE
 """
 
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import titan_ext  # noqa: F401  (applies patches)
-from ep_logits_worker import fixed_batch  # this file's directory is on sys.path under torchrun
+from ep_logits_worker import fixed_batch, load_trainer  # this file's directory is on sys.path under torchrun
 from titan_ext.replay import replay_routing, shard_replay_ids
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 from titan_ext.train_config import trainer_config
 
 IGNORE = -100
@@ -28,17 +28,8 @@ IGNORE = -100
 
 def build_trainer(ckpt: str, model: str, cp: int):
     cfg = trainer_config(model, "tiny")
-    cfg.hf_assets_path = ckpt
-    cfg.dump_folder = tempfile.mkdtemp(prefix="moerl_cp_")
-    cfg.checkpoint.enable = True
-    cfg.checkpoint.initial_load_path = ckpt
-    cfg.checkpoint.initial_load_in_hf = True
-    cfg.checkpoint.initial_load_model_only = True
     cfg.parallelism.context_parallel_degree = cp
-    trainer = cfg.build()
-    if not trainer.checkpointer.load():
-        raise RuntimeError(f"no checkpoint loaded from {ckpt}")
-    return trainer, cfg
+    return load_trainer(cfg, ckpt), cfg
 
 
 def unshard(local: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, full_shape) -> torch.Tensor:
@@ -101,8 +92,9 @@ def main() -> None:
     results = {model: run_model(ckpt, model, cp) for model, ckpt in (("glm5", glm5_ckpt), ("kimi_k2", kimi_ckpt))}
     if torch.distributed.get_rank() == 0:
         torch.save(results, out)
-    torch.distributed.destroy_process_group()
+    destroy_process_group_together()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

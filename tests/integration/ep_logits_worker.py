@@ -36,21 +36,27 @@ def fixed_batch(arch_vocab: int, num_moe_layers: int, top_k: int, num_experts: i
     return tokens, ids
 
 
+def load_trainer(cfg, ckpt: str):
+    """Build `cfg`'s Trainer with its model loaded from the HF checkpoint `ckpt` by TorchTitan's checkpointer."""
+    cfg.hf_assets_path = ckpt
+    cfg.dump_folder = tempfile.mkdtemp(prefix="moerl_worker_")
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.initial_load_path = ckpt
+    cfg.checkpoint.initial_load_in_hf = True
+    cfg.checkpoint.initial_load_model_only = True
+    trainer = cfg.build()
+    if not trainer.checkpointer.load():
+        raise RuntimeError(f"no checkpoint loaded from {ckpt}")
+    return trainer
+
+
 def run_variant(ckpt: str, model: str, ep: int, flags: list[str]):
     """One Trainer with `flags`: rank 0 returns the logits (or {"logits", "grads"}), other ranks None."""
     replay, grads = "--replay" in flags, "--grads" in flags
     cfg = trainer_config(model, "tiny")
     apply_options(cfg, take_options(list(flags)))
-    cfg.hf_assets_path = ckpt
-    cfg.dump_folder = tempfile.mkdtemp(prefix="moerl_ep_")
-    cfg.checkpoint.enable = True
-    cfg.checkpoint.initial_load_path = ckpt
-    cfg.checkpoint.initial_load_in_hf = True
-    cfg.checkpoint.initial_load_model_only = True
     cfg.parallelism.expert_parallel_degree = ep
-    trainer = cfg.build()
-    if not trainer.checkpointer.load():
-        raise RuntimeError(f"no checkpoint loaded from {ckpt}")
+    trainer = load_trainer(cfg, ckpt)
     model_part = trainer.model_parts[0].eval()
     moe = [layer.moe for layer in model_part.layers.values() if layer.moe_enabled]
     tokens, ids = fixed_batch(cfg.model_spec.model.vocab_size, len(moe), moe[0].router.top_k, moe[0].router.num_experts)
