@@ -1,7 +1,6 @@
 """Which lane carries new weights to the replicas in `moerl rl`, and the files both ends meet at.
 
-Lanes (benchmarks/results/weight_sync.json). 'auto' is `fs`: the sharded lanes do not yet
-survive a replica lost mid-update (the trainer waits out its 600 s store timeout) and measured
+Lanes (benchmarks/results/weight_sync.json). 'auto' is `fs`: the sharded lanes measured
 slower than `fs` at the main job's size (0.99 vs 0.86 s per step); they are there when asked for.
   shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
        replica reads them from shared-memory rings: same host only;
@@ -16,17 +15,23 @@ slower than `fs` at the main job's size (0.99 vs 0.86 s per step); they are ther
 The sharded lanes meet through the run directory: for version N every trainer rank writes
 `sync/vNNNNNN/rank{r}.json` (its senders' join info per replica) and then sends; the
 orchestrator, once all ranks' files are there, drives each replica's update (pause, update
-naming every rank's sender, resume) while the ranks send.
+naming every rank's sender, resume) while the ranks send. A replica that is out of rotation,
+or whose update request fails (it died, it refused), is written off for that version as
+`sync/vNNNNNN/lost-r{i}` (why, one line) the moment the orchestrator knows: the ranks' senders
+poll for it and drop that replica's lanes instead of waiting out their timeout, and every
+other replica's update runs to its end.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LaneChoice", "choose_lane", "sync_dir", "read_infos"]
+__all__ = ["LaneChoice", "choose_lane", "sync_dir", "read_infos", "write_off", "written_off"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ def choose_lane(requested: str, *, block_fp8: bool, shm_problem: str | None) -> 
     """The lane for this run: the requested one if it can work here, else one clear error;
     under 'auto' the filesystem lane (see the module docstring for why)."""
     if requested == "auto":
-        return LaneChoice("fs", "auto: the sharded lanes do not yet survive a replica lost mid-update; "
+        return LaneChoice("fs", "auto: the sharded lanes measured slower at the main job's size; "
                                 "set inference.weight_sync = 'shm' or 'net' to use them")
     if requested != "fs" and block_fp8:
         raise ValueError(f"inference.weight_sync = '{requested}' streams plain tensors, but the checkpoint is "
@@ -68,3 +73,24 @@ def read_infos(run_dir: Path, version: int, ranks: int, *, alive=lambda: None, t
             raise TimeoutError(f"trainer ranks did not offer weights v{version} after {timeout_s:.0f}s")
         time.sleep(0.02)
     return [json.loads((d / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _lost_path(run_dir: Path, version: int, replica: int) -> Path:
+    return sync_dir(run_dir, version) / f"lost-r{replica}"
+
+
+def write_off(run_dir: Path, version: int, replica: int, why: str) -> None:
+    """Tell the trainer ranks that replica `replica` (its index) will not take `version`, and why."""
+    path = _lost_path(run_dir, version, replica)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(why)
+    tmp.replace(path)
+
+
+def written_off(run_dir: Path, version: int, replica: int) -> str | None:
+    """Why replica `replica` will not take `version`, or None (it may still)."""
+    try:
+        return _lost_path(run_dir, version, replica).read_text() or "written off"
+    except FileNotFoundError:
+        return None

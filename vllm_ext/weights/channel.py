@@ -17,17 +17,26 @@ few 50 us round trips) instead of new groups:
    everyone holding another generation then builds that one together.
 
 A side that sees a gloo operation fail drops its groups (``drop()``); the next
-update rebuilds them everywhere. Network-lane groups are built per set of
+update rebuilds them everywhere. Step 3 may wait long (a replica joins when its
+driver gets to it), so the sender can poll ``gone()`` meanwhile: whoever drives the
+replicas knows first that one died or refused, and the sender stops waiting for it
+then instead of at the store's timeout. Network-lane groups are built per set of
 network receivers and kept likewise.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from .format import ReceiverLost
+
 __all__ = ["Groups", "SenderChannel", "ReceiverChannel"]
+
+_POLL_MAX_S = 0.02  # the longest sleep between two looks for a receiver's report
 
 
 @dataclass
@@ -84,10 +93,14 @@ class SenderChannel(_Channel):
         self.port = store.port
         self._gen = 0
 
-    def open(self, session: str, manifest: bytes) -> list[int]:
-        """The update's handshake (sender side): every rank's lane (0 for the sender)."""
+    def open(self, session: str, manifest: bytes, gone: Callable[[], str | None] | None = None,
+             join_timeout_s: float | None = None) -> list[int]:
+        """The update's handshake (sender side): every rank's lane (0 for the sender). Waits for
+        each receiver's report until ``gone()`` gives a reason it will not come or
+        ``join_timeout_s`` (default: the store's timeout) passes: ``ReceiverLost``."""
         self.store.set(f"{session}/manifest", manifest)
-        reports = [json.loads(self.store.get(f"{session}/r{r}")) for r in range(1, self.world_size)]
+        reports = [json.loads(self._report(f"{session}/r{r}", r, gone, join_timeout_s))
+                   for r in range(1, self.world_size)]
         held = {rep["gen"] for rep in reports}
         rebuild = self.groups is None or held != {self.groups.gen}
         if rebuild:
@@ -97,6 +110,20 @@ class SenderChannel(_Channel):
         if rebuild:
             self._build(self._gen)
         return lanes
+
+    def _report(self, key: str, rank: int, gone: Callable[[], str | None] | None, limit: float | None) -> bytes:
+        if gone is None and limit is None:
+            return self.store.get(key)
+        limit = self.timeout_s if limit is None else limit
+        deadline, pause = time.monotonic() + limit, 0.001
+        while not self.store.check([key]):
+            if gone is not None and (why := gone()):
+                raise ReceiverLost(f"receiver rank {rank} will not join: {why}")
+            if time.monotonic() > deadline:
+                raise ReceiverLost(f"receiver rank {rank} did not join within {limit:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+        return self.store.get(key)
 
     def forget(self, session: str) -> None:
         """Delete the update's keys (every receiver has read them once the update closed)."""

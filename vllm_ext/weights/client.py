@@ -71,20 +71,38 @@ class Replica:
 
 def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                   update_body: Callable[[int, Replica], dict],
-                  during: Callable[[], int] | None = None) -> SyncResult:
-    """pause -> start -> update (all replicas concurrently, plus `during` in this thread) -> finish -> resume."""
+                  during: Callable[[], int] | None = None,
+                  lost: Callable[[int, str], None] | None = None) -> SyncResult:
+    """pause -> start -> update (all replicas concurrently, plus `during` in this thread) -> finish -> resume.
+
+    Without `lost`, a replica failing to pause or start ends the update for all. With it
+    (replicas fed by senders of their own, as the sharded lanes' are), that replica alone
+    drops out: `lost(index, why)` is called at once, for it and for any replica whose
+    update request fails, and the others go on."""
     res = SyncResult(version=int(version), transport=transport)
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
-    started: list[Replica] = []
+    active = list(range(len(replicas)))
     paused: list[Replica] = []
+
+    def failed(i: int, exc: Exception) -> None:
+        errors[replicas[i].base] = str(exc)
+        if lost is not None:
+            lost(i, str(exc))
+
     try:
-        for r in replicas:
-            r.post("/pause?mode=keep")
-            paused.append(r)
-        for r in replicas:
-            r.post("/start_weight_update")
-            started.append(r)
+        for path in ("/pause?mode=keep", "/start_weight_update"):
+            for i in list(active):
+                try:
+                    replicas[i].post(path)
+                except WeightSyncError as exc:
+                    if lost is None:
+                        raise
+                    failed(i, exc)
+                    active.remove(i)
+                else:
+                    if path.startswith("/pause"):
+                        paused.append(replicas[i])
         t1 = time.perf_counter()
         ok: dict[str, bool] = {}
 
@@ -93,9 +111,9 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                 r.post("/update_weights", {"update_info": update_body(i, r)})
                 ok[r.base] = True
             except Exception as exc:  # noqa: BLE001
-                errors[r.base] = str(exc)
+                failed(i, exc)
 
-        threads = [threading.Thread(target=update, args=(i, r), daemon=True) for i, r in enumerate(replicas)]
+        threads = [threading.Thread(target=update, args=(i, replicas[i]), daemon=True) for i in active]
         for t in threads:
             t.start()
         try:
@@ -106,9 +124,13 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
         for t in threads:
             t.join()
         res.transfer_seconds = time.perf_counter() - t1
-        for r in replicas:
-            if ok.get(r.base):
-                r.post("/finish_weight_update", {"weight_version": str(int(version))})
+        for i in [i for i in active if ok.get(replicas[i].base)]:
+            try:
+                replicas[i].post("/finish_weight_update", {"weight_version": str(int(version))})
+            except WeightSyncError as exc:
+                if lost is None:
+                    raise
+                failed(i, exc)
     except WeightSyncError as exc:
         errors.setdefault("protocol", str(exc))
     finally:
@@ -131,15 +153,18 @@ def push_fs(replicas: Sequence[Replica | str], path: str | Path, version: int) -
 
 
 def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
-                 version: int) -> SyncResult:
+                 version: int, lost: Callable[[int, str], None] | None = None) -> SyncResult:
     """Make every replica receive `version` from the trainer ranks' sharded senders at once.
 
     ``workers[i][t]``: for TP rank t of replica i, the join info of every trainer rank's
     sender for that worker (``sharded.ShardedSender.update_infos``); the ranks send
-    themselves, in their own processes, while this waits for the replicas."""
+    themselves, in their own processes, while this waits for the replicas. A replica
+    that fails drops out alone: ``lost(i, why)`` at once (tell the senders, whose lanes
+    to it would otherwise wait for it), and the others finish their update."""
     reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
     return _run_protocol(reps, version, "sharded",
-                         lambda i, r: {"transport": "sharded", "version": int(version), "workers": workers[i]})
+                         lambda i, r: {"transport": "sharded", "version": int(version), "workers": workers[i]},
+                         lost=lost or (lambda i, why: None))
 
 
 def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:

@@ -19,14 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMAT", "TensorMeta", "WeightUpdateError", "check_against", "digest", "dtype_name", "dtype_of",
-           "hasher"]
+__all__ = ["FORMAT", "ReceiverLost", "TensorMeta", "WeightUpdateError", "check_against", "digest", "dtype_name",
+           "dtype_of", "hasher"]
 
 FORMAT = "moerl-weights/1"
 
 
 class WeightUpdateError(RuntimeError):
     """A weight update that must not be applied (incomplete, corrupted, mismatched, or lost)."""
+
+
+class ReceiverLost(WeightUpdateError):
+    """A sender's receiver is gone (whoever drives the replicas said why) or did not join in time."""
 
 
 _DTYPES = {

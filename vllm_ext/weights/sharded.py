@@ -22,6 +22,13 @@ So a sender killed, a corrupted unit or a mismatched shape in pass 1 leaves the
 old weights serving untouched, without a copy of them; the cost is moving the
 bytes twice. A failure during pass 2 (the sender dying between its passes) leaves
 a partly applied model: the update fails loudly and the next one restores it.
+
+A lost receiver costs its sender only that receiver: every worker has lanes of its
+own, so the others finish on the new version. A receiver that dies mid-pass fails
+its lane at once (its sockets close); one that never joins (its replica died
+before, or refused the update request) is reported by ``send``'s ``gone``, which
+whoever drives the replicas answers, instead of after the store's timeout; one that
+hangs is bounded by ``timeout_s`` per operation.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .format import TensorMeta, WeightUpdateError, dtype_of
+from .format import ReceiverLost, TensorMeta, WeightUpdateError, dtype_of
 from .plan import Box, Piece, box_numel, check_cover, intersect
 from .shm import RingShape
 from .stream import StreamReceiver, StreamSender
@@ -44,6 +52,8 @@ __all__ = ["ShardedSender", "ShardedReceiver", "VERIFY", "APPLY"]
 logger = logging.getLogger("vllm_ext.weights")
 
 VERIFY, APPLY = "verify", "apply"
+LOST_GRACE_S = 2.0  # a lost receiver's lane may end by itself (its peer's sockets closed) this long
+_POLL_S = 0.02
 
 
 def _shape(box: Box) -> tuple[int, ...]:
@@ -65,54 +75,95 @@ class ShardedSender:
     ``update_infos(version)`` gives what each worker needs to join (collected from all
     ranks by whoever drives the replicas' HTTP protocol); ``send`` then runs both passes
     to every worker at once. ``shm=None`` forces the network lane (gloo), or with ``te``
-    the Mooncake Transfer Engine lane (``te.py``)."""
+    the Mooncake Transfer Engine lane (``te.py``). ``names``: how errors call each
+    receiver (e.g. its replica and TP rank); ``join_timeout_s``: the longest wait for a
+    receiver to join a pass (default ``timeout_s``)."""
 
     def __init__(self, rank: int, receivers: int, *, addr: str = "127.0.0.1", timeout_s: float = 120.0,
                  bucket_bytes: int = 16 << 20, streams: int = 1, shm: RingShape | None = RingShape(),
-                 te: bool = False):
+                 te: bool = False, names: Sequence[str] | None = None, join_timeout_s: float | None = None):
         self.rank = rank
-        self.senders = [StreamSender(2, addr=addr, timeout_s=timeout_s, bucket_bytes=bucket_bytes, streams=streams,
-                                     shm=shm, te=te) for _ in range(receivers)]
+        self._new_sender = lambda: StreamSender(2, addr=addr, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                                streams=streams, shm=shm, te=te, join_timeout_s=join_timeout_s)
+        self.senders = [self._new_sender() for _ in range(receivers)]
+        self.names = list(names) if names is not None else [f"receiver {r}" for r in range(receivers)]
         self.lanes: dict[int, str] = {}
 
     def update_infos(self, version: int) -> list[dict]:
         return [s.update_info(1, version) for s in self.senders]
 
     def send(self, pieces: Sequence[Piece], read: Callable[[Piece], torch.Tensor], dtypes: Mapping[str, str],
-             shapes: Mapping[str, Sequence[int]], version: int) -> int:
+             shapes: Mapping[str, Sequence[int]], version: int,
+             gone: Callable[[int], str | None] | None = None) -> int:
         """Both passes of one update to every receiver worker at once; bytes sent per pass.
 
         ``pieces``: this rank's pieces (``Piece.sender == rank``), in plan order, which
         is ``shapes``' order;
-        ``read(piece)`` its bytes as a CPU tensor of ``dtypes[name]``."""
+        ``read(piece)`` its bytes as a CPU tensor of ``dtypes[name]``;
+        ``gone(receiver)``: why that receiver is lost (its replica died, its update request
+        failed), or None; polled throughout. A lost receiver's lane that has not ended
+        ``LOST_GRACE_S`` later (blocked in a gloo or store operation with a dead or silent
+        peer) is dropped, and the receiver gets a fresh ``StreamSender`` for the next update.
+        Then one ``WeightUpdateError`` names each receiver that failed and its pass."""
         per = [[p for p in pieces if p.receiver == r] for r in range(len(self.senders))]
-        errors: dict[int, BaseException] = {}
+        errors: dict[int, tuple[str, BaseException]] = {}
         sent = [0] * len(self.senders)
+        phases = [VERIFY] * len(self.senders)
+        dropped: set[int] = set()
+        lock = threading.Lock()
 
-        def run(r: int) -> None:
-            s, mine = self.senders[r], per[r]
+        def run(r: int, s: StreamSender) -> None:
+            mine = per[r]
             metas = [TensorMeta(p.name, dtypes[p.name], _shape(p.box)) for p in mine]
             extra = _manifest_extra(mine, shapes, self.rank)
             base = s.update_info(1, version)["session"]
             try:
                 for phase in (VERIFY, APPLY):
+                    phases[r] = phase
                     sent[r] += s.send(metas, (read(p) for p in mine), version, session=f"{base}/{phase}",
-                                      extra=extra)
+                                      extra=extra, gone=None if gone is None else lambda: gone(r))
             except BaseException as exc:  # noqa: BLE001 - reported below, per receiver
-                errors[r] = exc
-            finally:
-                s.next_session()
-                self.lanes[r] = s.lanes.get(1, "?")
+                with lock:
+                    errors.setdefault(r, (phases[r], exc))
+            s.next_session()
+            with lock:
+                if r in dropped:
+                    s.close()
+                else:
+                    self.lanes[r] = s.lanes.get(1, "?")
 
-        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(self.senders))]
+        threads = [threading.Thread(target=run, args=(r, s), daemon=True) for r, s in enumerate(self.senders)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        lost: dict[int, tuple[float, str]] = {}
+        while running := [r for r, t in enumerate(threads) if t.is_alive() and r not in dropped]:
+            if gone is None:
+                threads[running[0]].join()
+                continue
+            for r in running:
+                if r not in lost and (why := gone(r)):
+                    lost[r] = (time.monotonic(), why)
+                elif r in lost and time.monotonic() - lost[r][0] > LOST_GRACE_S:
+                    self._drop(r, threads[r], dropped, lock, errors, (phases[r], ReceiverLost(
+                        f"{lost[r][1]}; its lane was still blocked {LOST_GRACE_S:.0f} s later: dropped")))
+            time.sleep(_POLL_S)
         if errors:
-            raise WeightUpdateError(f"rank {self.rank}: " + "; ".join(
-                f"receiver {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items())))
+            raise WeightUpdateError(f"v{version} from trainer rank {self.rank}: " + "; ".join(
+                f"{self.names[r]} failed in the {phase} pass: {type(e).__name__}: {e}"
+                for r, (phase, e) in sorted(errors.items())))
         return sum(sent) // 2
+
+    def _drop(self, r: int, thread: threading.Thread, dropped: set[int], lock: threading.Lock,
+              errors: dict, error: tuple[str, BaseException]) -> None:
+        """Leave lane r's thread behind with its sender (closed when its operation times out),
+        the sender's ring already unlinked."""
+        with lock:
+            if thread.is_alive():
+                dropped.add(r)
+                errors.setdefault(r, error)
+                if self.senders[r].ring is not None:
+                    self.senders[r].ring.unlink()
+                self.senders[r] = self._new_sender()
 
     def close(self) -> None:
         for s in self.senders:

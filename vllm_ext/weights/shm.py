@@ -188,6 +188,11 @@ class ShmRing:
     def slot_offset(self, seq: int) -> int:
         return self.header + (seq % self.shape.slots) * self.shape.slot_bytes
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (sender), keeping the mapping: for a ring left to a
+        lane still blocked on a lost receiver, which unmaps it when it ends."""
+        self.path.unlink(missing_ok=True)
+
     def close(self) -> None:
         """Unmap (and, for the sender, unlink). Drops the ctypes views first: they
         point into the mapping."""

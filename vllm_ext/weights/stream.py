@@ -150,12 +150,14 @@ class StreamSender:
     host read a shared-memory ring (``shm``: its shape; None forces the network
     path for everyone), the others get gloo broadcasts over ``streams`` process
     groups. ``timeout_s`` bounds each gloo and store operation and, on the shm
-    lane, the whole data phase."""
+    lane, the whole data phase; ``join_timeout_s`` (default ``timeout_s``) the
+    wait for the receivers to join an update (``send``'s ``gone``)."""
 
     def __init__(self, world_size: int, *, addr: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 120.0, bucket_bytes: int = 64 << 20, streams: int = 2,
-                 shm: RingShape | None = RingShape(), te: bool = False):
+                 shm: RingShape | None = RingShape(), te: bool = False, join_timeout_s: float | None = None):
         self.addr, self.world_size, self.timeout_s, self.bucket_bytes = addr, world_size, timeout_s, bucket_bytes
+        self.join_timeout_s = join_timeout_s
         self.channel = SenderChannel(addr, port, world_size, timeout_s)
         self.port = self.channel.port
         self.token = secrets.token_hex(8)  # receivers keep one channel per sender
@@ -182,14 +184,16 @@ class StreamSender:
         return f"{int(version)}-{self._sends}"
 
     def send(self, metas: list[TensorMeta], tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
-             version: int, *, session: str | None = None, extra: dict | None = None) -> int:
+             version: int, *, session: str | None = None, extra: dict | None = None,
+             gone: Callable[[], str | None] | None = None) -> int:
         """Send one update; tensors must come in metas order (lazily is fine). ``session``
         names a pass of a multi-pass update (default: the update's own, from ``update_info``);
-        ``extra`` rides in the manifest. Raises ``UpdateRefused`` when a receiver refused the
-        update at its close; any other failure drops the gloo groups (the next update
-        rebuilds them everywhere)."""
+        ``extra`` rides in the manifest; ``gone()``, polled while the receivers join, says why
+        one will not (``channel.ReceiverLost``). Raises ``UpdateRefused`` when a receiver
+        refused the update at its close; any other failure drops the gloo groups (the next
+        update rebuilds them everywhere)."""
         try:
-            return self._send(metas, tensors, version, session or self._session(version), extra or {})
+            return self._send(metas, tensors, version, session or self._session(version), extra or {}, gone)
         except UpdateRefused:
             raise
         except BaseException:
@@ -203,12 +207,13 @@ class StreamSender:
         """Move on to the next update's session (after the passes of a multi-pass update)."""
         self._sends += 1
 
-    def _send(self, metas: list[TensorMeta], tensors: Iterable, version: int, session: str, extra: dict) -> int:
+    def _send(self, metas: list[TensorMeta], tensors: Iterable, version: int, session: str, extra: dict,
+              gone: Callable[[], str | None] | None) -> int:
         if self.ring is not None:
             self.ring.reset()
         manifest = json.dumps({**extra, "format": FORMAT, "version": int(version), "bucket_bytes": self.bucket_bytes,
                                "streams": self.streams, "tensors": [m.to_json() for m in metas]}).encode()
-        votes = self.channel.open(session, manifest)
+        votes = self.channel.open(session, manifest, gone, self.join_timeout_s)
         groups = self.channel.groups
         self.lanes = {r: LANES[v] for r, v in enumerate(votes) if r}
         net = [r for r in range(1, self.world_size) if votes[r] == LANE_NET]
