@@ -67,6 +67,24 @@ class Batch:
         return Batch(self.tokens[sl], self.mask[sl], self.logp_infer[sl], self.advantages[sl],
                      None if self.replay_ids is None else self.replay_ids[sl], self.policy_versions[sl])
 
+    def padded(self, multiple: int) -> "Batch":
+        """The batch with its S-1 model inputs padded to a multiple of `multiple` (context parallel's
+        head-tail layout cuts a sequence into 2 * cp equal chunks). Padded targets are out of the
+        loss (mask 0); padded positions repeat the last token and its expert ids, which are valid
+        ids, and causal attention keeps them from touching the real tokens before them."""
+        extra = -(self.tokens.size(1) - 1) % multiple
+        if not extra:
+            return self
+
+        def repeat_last(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x[:, -1:].expand(-1, extra, *x.shape[2:])], dim=1)
+
+        def zeros(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(x.size(0), extra, *x.shape[2:])], dim=1)
+
+        return Batch(repeat_last(self.tokens), zeros(self.mask), zeros(self.logp_infer), self.advantages,
+                     None if self.replay_ids is None else repeat_last(self.replay_ids), self.policy_versions)
+
 
 def reason_kind(reason: str) -> str:
     """The bounded part of a rejection reason (before the first ': '), which per-step metrics count by."""

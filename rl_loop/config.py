@@ -149,6 +149,9 @@ class TrainConfig:
     normalize_std: StrictBool = knob(False, "divide group advantages by the group's reward std")
     checkpoint_interval: StrictInt = knob(5, "TorchTitan checkpoint every K steps (for --resume)", ge=1)
     nproc: StrictInt = knob(1, "trainer processes (torchrun --nproc_per_node)", ge=1)
+    context_parallel: StrictInt = knob(
+        1, "trainer processes that split every sequence between them (TorchTitan --parallelism."
+           "context_parallel_degree), for sequences one process cannot hold; divides nproc; MLA models", ge=1)
     dispatcher: Literal["lean", "torchtitan", "deepep"] = knob(
         "lean", "MoE token dispatcher of the trainer (as torchtitan train --titan_ext.dispatcher)")
     fp8: StrictBool = knob(False, "expert GEMMs in fp8 (as torchtitan train --titan_ext.fp8; lean or deepep dispatcher)")
@@ -165,6 +168,9 @@ class TrainConfig:
 
         Only fp8 experts constrain the dispatcher, and the rule's module imports TorchTitan (seconds),
         so configs without fp8 (the defaults `moerl rl --help` shows) never import it."""
+        if self.nproc % self.context_parallel:
+            raise ValueError(f"context_parallel = {self.context_parallel} does not divide nproc = {self.nproc}: the "
+                             "trainer's processes are data parallel x context parallel; set nproc to a multiple")
         if self.fp8:
             from titan_ext.models.builder import check_moe_options
 
@@ -183,6 +189,19 @@ class RLConfig:
     inference: InferenceConfig = knob(InferenceConfig, "")
     rollout: RolloutConfig = knob(RolloutConfig, "")
     train: TrainConfig = knob(TrainConfig, "")
+
+    @model_validator(mode="after")
+    def _context_parallel_model(self) -> RLConfig:
+        """titan_ext's rule (it imports TorchTitan, so only when context parallel is asked for)."""
+        if self.train.context_parallel > 1:
+            from titan_ext.models import check_context_parallel
+
+            try:
+                check_context_parallel(self.model.arch)
+            except ValueError as e:
+                raise ValueError(f"train.context_parallel = {self.train.context_parallel}: {e} (model.arch); "
+                                 "set train.context_parallel = 1") from None
+        return self
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RLConfig:
@@ -236,7 +255,7 @@ def _one_line(e: ValidationError) -> str:
             known = ", ".join(_fields(section)) if section else ""
             msgs.append(f"{key}: unknown key (known: {known})")
         elif err["type"] == "value_error":
-            msgs.append(f"{key}: {err['ctx']['error']}")
+            msgs.append(f"{key}: {err['ctx']['error']}" if loc else str(err["ctx"]["error"]))
         elif err["type"] in ("dict_type", "dataclass_type"):  # the user wrote TOML: say it in TOML's words
             msgs.append(f"{key}: must be a table, got {err['input']!r}")
         else:

@@ -49,11 +49,16 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     config: LossConfig = LossConfig(),
+    total_tokens: int | None = None,
 ) -> LossOutput:
     """All arguments are [B, S] (advantages broadcast per sequence); `mask` marks completion tokens.
 
     The loss is summed over kept tokens and divided by the number of completion
     tokens, so masking a token removes its contribution without rescaling others.
+    That number is `total_tokens` when given: a rank holding part of a batch (its
+    data-parallel rows, its context-parallel positions) passes the whole batch's
+    count, so the ranks' losses and gradients sum to the whole batch's; such a
+    part may hold no completion token at all. The metrics are over this part.
     """
     if not (logp_train.shape == logp_infer.shape == mask.shape):
         raise ValueError(
@@ -62,19 +67,21 @@ def policy_loss(
         )
     mask = mask.bool()
     n = int(mask.sum())
-    if n == 0:
+    denominator = n if total_tokens is None else total_tokens
+    if denominator == 0:
         raise ValueError("no completion tokens in the batch")
     ratio = torch.exp(logp_train - logp_infer)
     with torch.no_grad():
         extreme = (ratio > config.max_ratio) | (ratio < 1.0 / config.max_ratio)
         keep = mask & ~extreme
         k3 = mismatch_k3(logp_train.detach(), logp_infer)[mask]
-    loss = -(ratio * advantages * keep).sum() / n
+    loss = -(ratio * advantages * keep).sum() / denominator
+    per_token = max(n, 1)  # n == 0: every metric is 0 (k3 >= 0), and weighs 0 in a token-weighted mean
     return LossOutput(
         loss=loss,
         num_tokens=n,
-        k3_mean=k3.mean().item(),
-        k3_max=k3.max().item(),
-        extreme_frac=(extreme & mask).sum().item() / n,
-        masked_frac=(mask & ~keep).sum().item() / n,
+        k3_mean=k3.sum().item() / per_token,
+        k3_max=k3.max().item() if n else 0.0,
+        extreme_frac=(extreme & mask).sum().item() / per_token,
+        masked_frac=(mask & ~keep).sum().item() / per_token,
     )

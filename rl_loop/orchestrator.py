@@ -118,11 +118,7 @@ class Orchestrator:
 
     def start_trainer(self, init: Path) -> None:
         c = self.cfg
-        TrainerSpec(model=c.model.arch, flavor=c.model.flavor, init_checkpoint=str(init), steps=c.train.steps,
-                    lr=c.train.lr, replay=c.train.replay, max_ratio=c.train.max_ratio,
-                    checkpoint_interval=c.train.checkpoint_interval, dispatcher=c.train.dispatcher, fp8=c.train.fp8,
-                    wire_dtype=self.cfg.model.inference_dtype, weight_lane=self.lane.lane,
-                    replica_tp=[1] * self.replica_count()).save(self.run_dir)
+        TrainerSpec.from_config(c, init, self.lane.lane, [1] * self.replica_count()).save(self.run_dir)
         log_file = open(self.run_dir / "trainer.log", "a")
         cores = self.placement.trainer if self.placement else None
         self.trainer_proc = subprocess.Popen(

@@ -29,12 +29,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .batch import Batch
 from .loss import LossConfig, policy_loss, token_logprobs
+
+if TYPE_CHECKING:
+    from .config import RLConfig
 
 
 @dataclass
@@ -55,7 +59,19 @@ class TrainerSpec:
     dispatcher: str = "lean"
     fp8: bool = False
     max_grad_norm: float = 1.0
+    context_parallel: int = 1  # TorchTitan's --parallelism.context_parallel_degree
     poll_s: float = 0.05
+
+    @classmethod
+    def from_config(cls, cfg: "RLConfig", init_checkpoint: Path, weight_lane: str = "fs",
+                    replica_tp: list[int] | None = None) -> "TrainerSpec":
+        """The trainer's part of a `moerl rl` config, starting from `init_checkpoint`."""
+        t = cfg.train
+        return cls(model=cfg.model.arch, flavor=cfg.model.flavor, init_checkpoint=str(init_checkpoint),
+                   steps=t.steps, lr=t.lr, replay=t.replay, max_ratio=t.max_ratio,
+                   checkpoint_interval=t.checkpoint_interval, dispatcher=t.dispatcher, fp8=t.fp8,
+                   context_parallel=t.context_parallel, wire_dtype=cfg.model.inference_dtype,
+                   weight_lane=weight_lane, replica_tp=replica_tp)
 
     def save(self, run_dir: Path) -> None:
         path = run_dir / "trainer" / "spec.json"
@@ -90,18 +106,28 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
             total_tokens: int | None = None) -> dict:
     """Forward (replaying `batch.replay_ids` when `replay`), loss, backward. Returns metrics.
 
-    `total_tokens` is the completion-token count over all data-parallel ranks, so
-    gradients summed across ranks equal the single-process mean.
+    Under context parallel the model trains on this rank's positions of every sequence
+    (TorchTitan's layout, `sequence_shards`), padded first to 2 * cp equal chunks.
+    `total_tokens` is the completion-token count of the whole batch (every data- and
+    context-parallel rank's part), so the gradients FSDP sums across ranks equal the
+    single-process ones; "loss" is this rank's share of the batch loss.
     """
-    from titan_ext.replay import disagreement_by_layer, replay_routing
+    from titan_ext.models.context_parallel import sequence_shards
+    from titan_ext.replay import disagreement_by_layer, replay_routing, shard_replay_ids
 
-    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    with replay_routing(model, batch.replay_ids if replay else None) as routers:
+    shards = sequence_shards(model)
+    seq = batch.mask.size(1)
+    if shards is not None:
+        batch = batch.padded(2 * shards.world)
+    padding = (torch.arange(batch.mask.size(1)) >= seq).expand_as(batch.mask)
+    part = (batch.tokens[:, :-1], batch.tokens[:, 1:], batch.mask, batch.logp_infer, padding)
+    inputs, targets, mask, logp_infer, padding = part if shards is None else shards.shard(*part)
+    replay_ids = shard_replay_ids(model, batch.replay_ids) if replay else None
+    with replay_routing(model, replay_ids, padding) as routers:
         logits = model(inputs)
         logp = token_logprobs(logits, targets)
-        out = policy_loss(logp, batch.logp_infer, batch.advantages, batch.mask, loss_config)
-        scale = out.num_tokens / (total_tokens or out.num_tokens)
-        (out.loss * scale).backward()
+        out = policy_loss(logp, logp_infer, batch.advantages, mask, loss_config, total_tokens)
+        out.loss.backward()
     disagreement = [d for d in disagreement_by_layer(routers) if d is not None]
     return {
         "loss": out.loss.item(),
@@ -115,14 +141,16 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
 
 
 def reduce_metrics(local: dict, total_tokens: int) -> dict:
-    """Token-weighted means (and the max) of the per-rank loss metrics over all ranks."""
+    """The batch loss (the sum of the ranks' shares), token-weighted means and the max of the
+    per-rank mismatch metrics, over all ranks."""
     n = local["tokens"]
-    sums = torch.tensor([local[k] * n for k in ("loss", "mismatch_k3_mean", "extreme_frac", "masked_frac")])
+    keys = ("mismatch_k3_mean", "extreme_frac", "masked_frac")
+    sums = torch.tensor([local["loss"], *(local[k] * n for k in keys)], dtype=torch.float64)
     peak = torch.tensor([local["mismatch_k3_max"]])
     dist.all_reduce(sums)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    keys = ("loss", "mismatch_k3_mean", "extreme_frac", "masked_frac")
-    return {**{k: v / total_tokens for k, v in zip(keys, sums.tolist())},
+    loss, *weighted = sums.tolist()
+    return {"loss": loss, **{k: v / total_tokens for k, v in zip(keys, weighted)},
             "mismatch_k3_max": peak.item(), "tokens": total_tokens}
 
 
@@ -227,9 +255,12 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
 
     cfg = trainer_config(spec.model, spec.flavor)
     arch = read_arch(spec.init_checkpoint, spec.model)
-    from titan_ext.models import spec_from_arch
+    from titan_ext.models import check_context_parallel, spec_from_arch
 
     cfg.model_spec = spec_from_arch(spec.model, spec.flavor, arch)
+    if spec.context_parallel > 1:
+        check_context_parallel(spec.model)
+    cfg.parallelism.context_parallel_degree = spec.context_parallel
     apply_options(cfg, TitanExtOptions(dispatcher=spec.dispatcher, fp8=spec.fp8))
     cfg.hf_assets_path = spec.init_checkpoint
     cfg.dump_folder = str(run_dir / "trainer")
@@ -255,6 +286,15 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
     return trainer
 
 
+def data_parallel_rank(parallel_dims) -> tuple[int, int]:
+    """(this rank's index, their number) among the ranks that take different batch rows; the
+    context-parallel ranks of one data-parallel rank share its rows, each taking its positions."""
+    if not parallel_dims.dp_enabled:
+        return 0, 1
+    mesh = parallel_dims.get_mesh("batch")
+    return mesh.get_local_rank(), mesh.size()
+
+
 def train(run_dir: Path) -> None:
     """Train the steps of the run in `run_dir`, one batch file at a time, publishing weights after each."""
     from titan_ext.checkpoint import checkpoint_quantization
@@ -263,7 +303,8 @@ def train(run_dir: Path) -> None:
     trainer = build_trainer(spec, run_dir)
     model = trainer.model_parts[0]
     model.train()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    dp_rank, dp = data_parallel_rank(trainer.parallel_dims)
     loss_config = LossConfig(max_ratio=spec.max_ratio)
     wire_dtype = getattr(torch, spec.wire_dtype)
     quant = checkpoint_quantization(spec.init_checkpoint)  # the replicas serve this checkpoint's format
@@ -282,7 +323,7 @@ def train(run_dir: Path) -> None:
         t0 = time.perf_counter()
         batch = Batch.from_dict(torch.load(path, weights_only=False))
         total = int(batch.mask.sum())
-        metrics = rl_step(model, batch.shard(rank, world), loss_config, replay=spec.replay, total_tokens=total)
+        metrics = rl_step(model, batch.shard(dp_rank, dp), loss_config, replay=spec.replay, total_tokens=total)
         metrics.update(reduce_metrics(metrics, total))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
         trainer.optimizers.step()

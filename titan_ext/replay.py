@@ -44,6 +44,9 @@ class ReplayRouter(TokenChoiceTopKRouter):
     def __init__(self, config: Config):
         super().__init__(config)
         self.replay_ids_BLK: torch.Tensor | None = None
+        # Side channel too (`replay_routing`): padding positions, and the expert load their MoE counts.
+        self.padding_BL: torch.Tensor | None = None
+        self.load_E: torch.Tensor | None = None
         # Kept on the device: reading it in forward would stall the GPU once per layer.
         self._disagreement: torch.Tensor | None = None
 
@@ -56,6 +59,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         own_scores_BLK, own_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
         ids_BLK = self.replay_ids_BLK
         if ids_BLK is None:
+            self._uncount_padding(own_ids_BLK, scores_BLE)
             return own_scores_BLK, own_ids_BLK, scores_BLE
         if ids_BLK.shape != own_ids_BLK.shape:
             raise ReplayRecordError(
@@ -65,11 +69,21 @@ class ReplayRouter(TokenChoiceTopKRouter):
         ids_BLK = ids_BLK.to(device=own_ids_BLK.device, dtype=own_ids_BLK.dtype).contiguous()
         with torch.no_grad():
             differs = (own_ids_BLK.sort(dim=-1).values != ids_BLK.sort(dim=-1).values).any(dim=-1)
-            self._disagreement = differs.float().mean()
+            self._disagreement = (differs if self.padding_BL is None else differs[~self.padding_BL]).float().mean()
+        self._uncount_padding(ids_BLK, scores_BLE)
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_scores_BLK * self.route_scale, ids_BLK, scores_BLE
+
+    def _uncount_padding(self, ids_BLK: torch.Tensor, scores_BLE: torch.Tensor) -> None:
+        """Take the padding's experts out of the load its MoE is about to count (the load-balancing
+        bias update's input): the MoE adds every routed position, this subtracts the padded ones first."""
+        if self.padding_BL is None or self.load_E is None or not self.training:
+            return
+        with torch.no_grad():
+            chosen_BLE = torch.zeros_like(scores_BLE, dtype=torch.bool).scatter_(-1, ids_BLK, True)
+            self.load_E.sub_(chosen_BLE[self.padding_BL].sum(0).to(self.load_E.dtype))
 
 
 @override(
@@ -115,13 +129,20 @@ def shard_replay_ids(model: torch.nn.Module, ids_BSNK: torch.Tensor) -> torch.Te
 
 
 @contextmanager
-def replay_routing(model: torch.nn.Module, ids_BLNK: torch.Tensor | None) -> Iterator[list[ReplayRouter]]:
+def replay_routing(model: torch.nn.Module, ids_BLNK: torch.Tensor | None,
+                   padding_BL: torch.Tensor | None = None) -> Iterator[list[ReplayRouter]]:
     """Replay `ids_BLNK` ([batch, seq, num_moe_layers, top_k]) in the forwards run inside this block.
 
     `None` runs the model's own routing (and still yields the routers). The ids are
-    checked against the model before anything runs.
+    checked against the model before anything runs. `padding_BL` ([batch, seq] bool, laid
+    out like the ids) marks positions that only pad the sequence (context parallel's equal
+    chunks): their experts count neither in the MoE's expert load nor in the disagreement.
     """
     routers = moe_routers(model)
+    if padding_BL is not None:
+        for moe in model.modules():
+            if isinstance(getattr(moe, "router", None), ReplayRouter):
+                moe.router.padding_BL, moe.router.load_E = padding_BL, moe.tokens_per_expert_E
     if ids_BLNK is not None:
         if not routers:
             raise ReplayRecordError("the model has no replaying routers: activate titan_ext.replay.replay_router")
@@ -134,7 +155,7 @@ def replay_routing(model: torch.nn.Module, ids_BLNK: torch.Tensor | None) -> Ite
         yield routers
     finally:
         for router in routers:
-            router.replay_ids_BLK = None
+            router.replay_ids_BLK = router.padding_BL = router.load_E = None
 
 
 def disagreement_by_layer(routers: list[ReplayRouter]) -> list[float | None]:

@@ -6,16 +6,18 @@ import torch
 from safetensors.torch import load_file
 
 from rl_loop.batch import ModelShape, Sample, pack
+from rl_loop.config import RLConfig, parse_overrides
 from rl_loop.loss import token_logprobs
 from rl_loop.trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
-from tests.conftest import run_torchrun
+from tests.conftest import ROOT, run_torchrun, ulp_tol
 from titan_ext.checkpoint import load_hf_checkpoint
 from titan_ext.replay import moe_routers
 from vllm_ext.weights.wire import COMMIT_MARKER, read_fs
 
 
-def _write_batch(run, step, model, arch, seed):
-    """Samples scored by the initial policy itself (on-policy), with its own routing as the record."""
+def _write_batch(run, step, model, arch, seed, logp_noise=0.0):
+    """Samples scored by the initial policy itself (on-policy), with its own routing as the record;
+    `logp_noise`: the std of noise added to the logprobs, as if another engine had scored them."""
     shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -28,7 +30,8 @@ def _write_batch(run, step, model, arch, seed):
             logits = model(toks[:, :-1])
         for h in hooks:
             h.remove()
-        logp = token_logprobs(logits, toks[:, 1:])[0, len(p) - 1:].tolist()
+        logp = token_logprobs(logits, toks[:, 1:])[0, len(p) - 1:]
+        logp = (logp + logp_noise * torch.randn(logp.shape, generator=g)).tolist()
         samples.append(Sample(p, c, logp, reward=float(i % 2), group=0, routing=torch.stack(captured, 2)[0].numpy(),
                               advantage=float(i % 2) - 0.5))
     batch, rejected = pack(samples, shape, pad_id=2)
@@ -67,3 +70,58 @@ def test_trainer_steps_publishes_versions_and_resumes(tiny_checkpoint, tmp_path)
     assert m2["step"] == 2 and m2["router_disagreement"] > 0, "step 2 replays records of the initial policy"
     assert (weights_dir(run, 2) / COMMIT_MARKER).exists()
     assert (weights_dir(run, 1) / COMMIT_MARKER).stat().st_mtime_ns == v1_mtime
+
+
+def _adam_moments(checkpoint_dir):
+    """{parameter: AdamW's first moment} of a TorchTitan checkpoint: after one step (1 - beta1) x the clipped gradient."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_dir, checkpoint_dir.with_suffix(".pt"))
+    optimizer = torch.load(checkpoint_dir.with_suffix(".pt"), weights_only=False)["optimizer"]  # flattened keys
+    return {key.removesuffix(".exp_avg"): m for key, m in optimizer.items() if key.endswith(".exp_avg")}
+
+
+def test_context_parallel_2_takes_the_one_process_step(tiny_checkpoint, tmp_path):
+    """`moerl rl --set train.nproc=2 --set train.context_parallel=2`'s trainer: each process trains on its
+    head-tail half of every sequence (10 model inputs padded to 12), replaying its half of the record, and
+    the step (loss over the global token count, FSDP's gradient sum over the CP group, AdamW) is the
+    one-process step: same loss, gradients and updated weights (fp32, published as fp32)."""
+    ckpt = tiny_checkpoint("kimi_k2", 0.1)
+    model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
+    metrics, moments, weights = {}, {}, {}
+    for cp in (1, 2):
+        sets = [f"train.nproc={cp}", f"train.context_parallel={cp}", "train.steps=1", "model.inference_dtype=float32"]
+        cfg = RLConfig.from_toml(ROOT / "configs" / "tiny_kimi_k2.toml", parse_overrides(sets))
+        run = tmp_path / f"cp{cp}"
+        TrainerSpec.from_config(cfg, ckpt).save(run)
+        _write_batch(run, 1, model, arch, seed=2, logp_noise=0.5)
+        proc = run_torchrun(cp, "-m", "rl_loop.trainer", str(run))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[cp] = json.loads(metrics_path(run, 1).read_text())
+        moments[cp] = _adam_moments(run / "trainer" / "checkpoint" / "step-1")
+        weights[cp] = dict(read_fs(weights_dir(run, 1))[1])
+    one, two = metrics[1], metrics[2]
+    assert one["tokens"] == two["tokens"] == 20 and one["router_disagreement"] == two["router_disagreement"] == 0.0
+    assert 0 < one["masked_frac"] < 1 and abs(one["loss"]) > 1e-3, "off-policy batch: ratios matter, some are masked"
+    assert (one["masked_frac"], one["extreme_frac"]) == (two["masked_frac"], two["extreme_frac"])
+    # the loss sums per-token terms ratio x advantage of magnitude <= max_ratio x 0.5 = 1: ulps at 1
+    for key in ("loss", "mismatch_k3_mean"):
+        assert abs(one[key] - two[key]) <= ulp_tol(torch.float32, torch.tensor(1.0), 8), (key, one[key], two[key])
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= ulp_tol(torch.float32, torch.tensor(one["grad_norm"]), 8)
+    # every parameter's gradient, as AdamW's first moment holds it (measured: <= 33 ulps of each tensor's largest)
+    assert moments[1].keys() == moments[2].keys() and len(moments[1]) > 60
+    worst = {n: (m - moments[2][n]).abs().max().item() / ulp_tol(torch.float32, m, 1) for n, m in moments[1].items()}
+    assert max(worst.values()) <= 64, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    # The updated weights, wherever the gradient is far above AdamW's eps (1e-8), i.e. the step is
+    # lr x sign(g) there (|update| > 0.99 lr); nearer eps, Adam's division amplifies the gradients'
+    # last-bit differences (those are checked on the moments above).
+    original = load_file(ckpt / "model.safetensors")
+    assert weights[1].keys() == weights[2].keys() == original.keys()
+    checked = 0
+    for name, w0 in original.items():
+        w1, w2 = weights[1][name], weights[2][name]
+        assert w1.dtype == w2.dtype == torch.float32
+        firm = (w1 - w0).abs() > 0.99 * cfg.train.lr
+        checked += int(firm.sum())
+        assert ((w1 - w2).abs() * firm).max().item() <= ulp_tol(torch.float32, w1, 4), name
+    assert checked > 0.5 * sum(w.numel() for w in original.values())

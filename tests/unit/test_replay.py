@@ -86,6 +86,34 @@ def test_forced_ids_are_used_and_gradients_reach_their_gate_rows():
     assert frac == pytest.approx(expected) and all(f > 0.9 for f in frac)
 
 
+def test_padding_counts_in_neither_the_expert_load_nor_the_disagreement():
+    """Context parallel pads sequences to equal chunks: the experts chosen at padding must not move the
+    load-balancing bias (the MoE's `tokens_per_expert_E`) nor the disagreement metric."""
+    model = _model().train()
+    routers = moe_routers(model)
+    moes = [layer.moe for layer in model.layers.values() if layer.moe_enabled]
+    k = routers[0].top_k
+    padding = torch.zeros(TOKENS.shape, dtype=torch.bool)
+    padding[:, -5:] = True
+    real = int((~padding).sum())
+    own = _own_ids(model, TOKENS)
+    forced = own.clone()
+    forced[:, -5:] = torch.arange(k)  # disagrees at padding only
+    for ids in (forced, None):
+        for moe in moes:
+            moe.tokens_per_expert_E.zero_()
+        with replay_routing(model, ids, padding):
+            model(TOKENS)
+        assert all(int(moe.tokens_per_expert_E.sum()) == real * k for moe in moes)
+    for moe in moes:
+        moe.tokens_per_expert_E.zero_()
+    with replay_routing(model, forced, padding):
+        model(TOKENS)
+    assert disagreement_by_layer(routers) == [0.0] * len(routers)
+    assert all(torch.equal(moe.tokens_per_expert_E, torch.bincount(own[:, :-5, i].flatten(), minlength=len(
+        moe.tokens_per_expert_E)).to(moe.tokens_per_expert_E.dtype)) for i, moe in enumerate(moes))
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [

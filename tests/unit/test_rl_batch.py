@@ -72,3 +72,13 @@ def test_shard_keeps_rows_and_records_together():
     part = batch.shard(1, 2)
     assert part.advantages.flatten().tolist() == [1.0, 3.0] and part.replay_ids.shape[0] == 2
     assert Batch.from_dict(part.to_dict()).tokens.equal(part.tokens)
+
+
+def test_padded_sequences_split_into_equal_chunks_and_padding_is_out_of_the_loss():
+    batch, _ = pack([_sample(3, 2), _sample(2, 4, adv=-1.0)], SHAPE, pad_id=0)  # 5 model inputs
+    assert batch.padded(5) is batch
+    out = batch.padded(4)
+    assert out.tokens.shape == (2, 9) and out.mask.shape == out.logp_infer.shape == (2, 8)
+    assert out.tokens[:, 6:].tolist() == [[0, 0, 0], [23, 23, 23]]
+    assert out.mask[:, :5].equal(batch.mask) and not out.mask[:, 5:].any() and not out.logp_infer[:, 5:].any()
+    assert out.replay_ids.shape == (2, 8, 3, 2) and out.replay_ids[:, 5:].equal(batch.replay_ids[:, 4:5].expand(-1, 3, -1, -1))

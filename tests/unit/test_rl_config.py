@@ -59,6 +59,18 @@ def test_bad_values_are_one_line_errors_naming_the_key(item, message):
     assert str(e.value) == message
 
 
+def test_context_parallel_must_divide_the_trainer_and_fit_the_model():
+    assert load("train.nproc=4", "train.context_parallel=2").train.context_parallel == 2
+    with pytest.raises(ConfigError) as e:
+        load("train.nproc=3", "train.context_parallel=2")
+    assert str(e.value) == ("train: context_parallel = 2 does not divide nproc = 3: the trainer's processes are "
+                            "data parallel x context parallel; set nproc to a multiple")
+    with pytest.raises(ConfigError) as e:
+        load("train.nproc=2", "train.context_parallel=2", "model.arch=qwen3_moe")
+    assert str(e.value) == ("train.context_parallel = 2: context parallel runs titan_ext's MLA models (glm5, kimi_k2), "
+                            "not 'qwen3_moe' (model.arch); set train.context_parallel = 1")
+
+
 def test_core_lists_must_name_cores_of_this_machine():
     n = os.cpu_count()
     assert load(f"train.cpus=0-{n - 1}").train.cpus == f"0-{n - 1}"

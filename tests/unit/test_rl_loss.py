@@ -48,6 +48,20 @@ def test_extreme_tokens_are_masked_not_clipped():
     assert out.k3_max == pytest.approx(5 - math.log(5) - 1, rel=1e-5)
 
 
+def test_parts_of_a_batch_sum_to_its_loss_and_gradient():
+    """A rank's part (data- or context-parallel) divides by the whole batch's token count; a part may hold none."""
+    logp_train = torch.randn(2, 6, requires_grad=True)
+    logp_infer, adv = logp_train.detach() + 0.3 * torch.randn(2, 6), torch.tensor([[1.0], [-2.0]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    whole = policy_loss(logp_train, logp_infer, adv, mask)
+    (g_whole,) = torch.autograd.grad(whole.loss, logp_train)
+    parts = [policy_loss(logp_train[:, s], logp_infer[:, s], adv, mask[:, s], total_tokens=5)
+             for s in (slice(0, 2), slice(2, 6))]
+    assert parts[0].num_tokens == 0 and parts[0].k3_max == 0 and parts[0].loss.item() == 0
+    (g_parts,) = torch.autograd.grad(parts[0].loss + parts[1].loss, logp_train)
+    assert torch.allclose(parts[0].loss + parts[1].loss, whole.loss) and torch.allclose(g_parts, g_whole)
+
+
 def test_bad_shapes_and_empty_batches_are_refused():
     with pytest.raises(ValueError, match="shape mismatch"):
         policy_loss(torch.zeros(1, 3), torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 3))

@@ -41,6 +41,17 @@ def get_arch(model: str, flavor: str) -> Arch:
     return ARCHS[model][flavor]
 
 
+def check_context_parallel(model: str) -> None:
+    """Raise unless titan_ext's context parallel runs `model`: it shards MLA attention (Kimi-K2,
+    GLM-5) by gathering latents; other attention would get TorchTitan's per-head CP, whose batch
+    layout the RL trainer does not produce."""
+    cp_models = sorted(name for name, flavors in ARCHS.items()
+                       if all(isinstance(a, MLAMoEArch) for a in flavors.values()))
+    if model not in cp_models:
+        raise ValueError(f"context parallel runs titan_ext's MLA models ({', '.join(cp_models)}), "
+                         f"not {model!r}")
+
+
 def arch_from_hf_config(cfg: dict) -> Arch:
     """The titan_ext architecture a transformers `config.json` dict describes (ValueError if none)."""
     if (cfg.get("architectures") or ["?"])[0] == qwen3_moe.HF_ARCHITECTURE:
