@@ -50,7 +50,7 @@ from .tasks import get_task, group_samples, is_episodic
 from vllm_ext.weights.wire import COMMIT_MARKER
 
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
-from .weight_lane import LaneChoice, choose_lane, read_infos
+from .weight_lane import LaneChoice, choose_lane, read_infos, write_off
 
 
 class TrainerExited(RuntimeError):
@@ -259,17 +259,28 @@ class Orchestrator:
         return json.loads(path.read_text())
 
     def sync_sharded(self, version: int) -> None:
-        """Every replica receives `version` from every trainer rank at once (sharded lanes)."""
+        """Every replica receives `version` from every trainer rank at once (sharded lanes). A replica
+        out of rotation, or whose update fails, is written off for the trainer ranks at once (their
+        lanes to it stop waiting); the others finish, as with the filesystem lane."""
         from vllm_ext.weights.client import Replica as ClientReplica, push_sharded
 
         infos = read_infos(self.run_dir, version, self.cfg.train.nproc,
                            alive=lambda: self.check_trainer(f"offering weights v{version}"))
         live = [i for i, r in enumerate(self.replicas) if r.up]
+        for i in sorted(set(range(len(self.replicas))) - set(live)):
+            write_off(self.run_dir, version, i, f"replica {self.replicas[i].name} is out of rotation")
         workers = [[[infos[rank][i] for rank in range(len(infos))]] for i in live]
         for i in live:
             self.replicas[i].updating = True
+
+        def lost(k: int, why: str) -> None:
+            r = self.replicas[live[k]]
+            log(f"weight sync of {r.name} to v{version} over {self.lane.lane} failed, it keeps "
+                f"v{r.policy_version}: {why}")
+            write_off(self.run_dir, version, live[k], f"replica {r.name}: {why}")
+
         try:
-            push_sharded([self.replicas[i].base_url for i in live], workers, version)
+            push_sharded([self.replicas[i].base_url for i in live], workers, version, lost=lost)
             for i in live:
                 self.replicas[i].policy_version = version
         except Exception as exc:  # noqa: BLE001 - a failed replica keeps serving its old weights

@@ -200,12 +200,16 @@ class ShardedPublisher:
         self.pieces = [p for p in reshard(list(self.shapes), owned, needs, itemsize) if p.sender == self.rank]
         self.slices = {s.name: s for s in mine}
         self.replica_tp = replica_tp
-        self.sender = ShardedSender(self.rank, len(needs), timeout_s=timeout_s,
-                                    shm=RingShape() if lane == "shm" else None, te=lane == "te")
+        self.replica_of = [i for i, tp in enumerate(replica_tp) for _ in range(tp)]  # receiver -> replica index
+        names = [f"replica r{i} worker {t}" for i, tp in enumerate(replica_tp) for t in range(tp)]
+        # a replica joins when the orchestrator gets to it, after the next step's rollouts
+        self.sender = ShardedSender(self.rank, len(needs), timeout_s=timeout_s, join_timeout_s=3600.0,
+                                    shm=RingShape() if lane == "shm" else None, te=lane == "te", names=names)
 
     def publish(self, run_dir: Path, version: int) -> dict:
-        """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join."""
-        from rl_loop.weight_lane import sync_dir
+        """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join; a replica the
+        orchestrator writes off (rl_loop.weight_lane) costs only its own lanes."""
+        from rl_loop.weight_lane import sync_dir, written_off
         from titan_ext.weights import read_owned
 
         infos = self.sender.update_infos(version)
@@ -213,7 +217,8 @@ class ShardedPublisher:
         state = self.model.state_dict()
         t0 = time.perf_counter()
         nbytes = self.sender.send(self.pieces, lambda p: read_owned(state, self.slices[p.name], p.box, self.wire_dtype),
-                                  self.dtypes, self.shapes, version)
+                                  self.dtypes, self.shapes, version,
+                                  gone=lambda k: written_off(run_dir, version, self.replica_of[k]))
         return {"bytes": nbytes, "send_s": time.perf_counter() - t0, "lanes": sorted(set(self.sender.lanes.values()))}
 
 
