@@ -25,20 +25,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from rl_loop.replicas import start_replica, stop_replica, wait_healthy
 from vllm_ext.api import moe_layer_indices
 from vllm_ext.routing.record import RoutingRecord, decode_record_b64
 
@@ -49,7 +45,6 @@ FP32_TIE = 5e-3  # relative to the k-th score
 # bf16: how far (in units of the row's router-logit RMS) each logit may move
 # for vLLM's expert set to count as a tie; see the Kimi test's docstring.
 BF16_TIE = 5e-2
-PY = sys.executable
 
 
 def _plugin_pythonpath(tmp: Path) -> str:
@@ -73,43 +68,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextmanager
-def vllm_server(model: Path, dtype: str, tmp: Path, extra: list[str], env_extra: dict[str, str] | None = None):
-    port = _free_port()
-    log = tmp / f"server-{port}.log"
-    env = dict(os.environ, PYTHONPATH=_plugin_pythonpath(tmp), VLLM_PLUGINS="moerl_routing",
-               **(env_extra or {}))
-    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
-           "--port", str(port), "--gpu-memory-utilization", "0.3", "--block-size", "32",
-           "--enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, log
-    finally:
-        # the server and its engine/worker children share our new session
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 def post(base: str, path: str, body: dict, stream: bool = False):
@@ -308,6 +266,38 @@ def kimi_ckpt(tmp_path_factory):
                                 init_scales={"q_b_proj": 0.03, "e_score_correction_bias": 0.05})
 
 
+# Kimi-K2's own config routes with sigmoid scores + a correction bias ("noaux_tc"), like
+# transformers' DeepseekV3; vLLM reads that from topk_method/scoring_func, which transformers'
+# DeepseekV3Config does not write (without them vLLM routes by softmax and rejects the bias weight).
+KIMI_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+@pytest.fixture(scope="module")
+def servers(qwen_ckpt, kimi_ckpt, tmp_path_factory):
+    """Both tests' servers, started side by side, compiled (as external replicas run) with prefix
+    caching and 64-token prefill chunks. Qwen3-MoE's KV cache of 24 blocks x 32 tokens forces
+    preemption with 8 concurrent requests."""
+    tmp = tmp_path_factory.mktemp("servers")
+    env = {"PYTHONPATH": _plugin_pythonpath(tmp)}
+    common = ["--max-num-batched-tokens", "64", "--enable-prompt-tokens-details"]
+    cfg = json.loads((Path(kimi_ckpt) / "config.json").read_text())
+    kimi_extra = (["--hf-overrides", json.dumps(KIMI_ROUTING)]
+                  if any(cfg.get(k) != v for k, v in KIMI_ROUTING.items()) else [])
+    started = [
+        start_replica("qwen3_moe", qwen_ckpt, _free_port(), tmp, dtype="float32", max_model_len=512, max_num_seqs=8,
+                      enforce_eager=False, env=env,
+                      extra=[*common, "--num-gpu-blocks-override", "24", "--trust-request-chat-template"]),
+        start_replica("kimi_k2", kimi_ckpt, _free_port(), tmp, dtype="bfloat16", max_model_len=512, max_num_seqs=8,
+                      enforce_eager=False, env=env, extra=[*common, *kimi_extra]),
+    ]
+    try:
+        wait_healthy(started, timeout_s=600)
+        yield {r.name: r.base_url for r in started}
+    finally:
+        for r in started:
+            stop_replica(r)
+
+
 def _prompts(n: int, seed: int, lo: int = 20, hi: int = 300) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 500, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
@@ -324,7 +314,7 @@ def _complete(base, model, prompt, max_tokens, **kw):
 # ---------------------------------------------------------------- tests
 
 
-def test_qwen3_moe_fp32_records_match_transformers(qwen_ckpt, tmp_path):
+def test_qwen3_moe_fp32_records_match_transformers(qwen_ckpt, servers):
     """Acceptance 1 + 2 on fp32: single, 8 concurrent of different lengths with
     chunked prefill and KV pressure (preemption), a 128+ token prefix-cache
     hit, streaming, chat, and rows from a position on."""
@@ -336,89 +326,85 @@ def test_qwen3_moe_fp32_records_match_transformers(qwen_ckpt, tmp_path):
         ties += compare(rec, ref, toks, near_tie=FP32_TIE)
         rows += rec.num_rows * len(rec.moe_layers)
 
-    # 64-token prefill chunks and a KV cache of 24 blocks x 32 tokens force
-    # chunked prefill and preemption with 8 concurrent requests.
-    extra = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-             "--num-gpu-blocks-override", "24", "--trust-request-chat-template"]
-    with vllm_server(qwen_ckpt, "float32", tmp_path, extra) as (base, log):
-        # single request
-        _, c, toks = _complete(base, qwen_ckpt, _prompts(1, 0)[0], 16)
-        rec = decode_record_b64(c["routed_experts"])
-        assert rec.start == 0 and rec.num_rows == len(toks) - 1
-        check(rec, toks)
+    base = servers["qwen3_moe"]
+    # single request
+    _, c, toks = _complete(base, qwen_ckpt, _prompts(1, 0)[0], 16)
+    rec = decode_record_b64(c["routed_experts"])
+    assert rec.start == 0 and rec.num_rows == len(toks) - 1
+    check(rec, toks)
 
-        # 8 concurrent requests of different lengths. Whether the scheduler has to
-        # preempt depends on how closely the requests arrive, so the batch is sent
-        # again (at most 3 rounds) until /metrics counts a preemption; every round's
-        # records are checked.
-        prompts = _prompts(8, 1, 40, 260)
-        preempted = 0.0
-        for _round in range(3):
-            with cf.ThreadPoolExecutor(8) as ex:
-                results = list(ex.map(lambda p: _complete(base, qwen_ckpt, p, 48), prompts))
-            batched = []
-            for (_, c, toks), p in zip(results, prompts):
-                assert c["prompt_token_ids"] == p
-                rec = decode_record_b64(c["routed_experts"])
-                assert rec.num_rows == len(toks) - 1
-                check(rec, toks)
-                batched.append(rec)
-            with urllib.request.urlopen(base + "/metrics") as r:
-                metrics = r.read().decode()
-            preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                            if line.startswith("vllm:num_preemptions_total"))
-            if preempted > 0:
-                break
-        assert preempted > 0, "the KV cache was meant to force preemption"
-        # capture is exact: alone, each request gets the identical record
-        for p, rec in zip(prompts, batched):
-            alone = decode_record_b64(_complete(base, qwen_ckpt, p, 48)[1]["routed_experts"])
-            assert alone == rec
+    # 8 concurrent requests of different lengths. Whether the scheduler has to
+    # preempt depends on how closely the requests arrive, so the batch is sent
+    # again (at most 3 rounds) until /metrics counts a preemption; every round's
+    # records are checked.
+    prompts = _prompts(8, 1, 40, 260)
+    preempted = 0.0
+    for _round in range(3):
+        with cf.ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(lambda p: _complete(base, qwen_ckpt, p, 48), prompts))
+        batched = []
+        for (_, c, toks), p in zip(results, prompts):
+            assert c["prompt_token_ids"] == p
+            rec = decode_record_b64(c["routed_experts"])
+            assert rec.num_rows == len(toks) - 1
+            check(rec, toks)
+            batched.append(rec)
+        with urllib.request.urlopen(base + "/metrics") as r:
+            metrics = r.read().decode()
+        preempted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("vllm:num_preemptions_total"))
+        if preempted > 0:
+            break
+    assert preempted > 0, "the KV cache was meant to force preemption"
+    # capture is exact: alone, each request gets the identical record
+    for p, rec in zip(prompts, batched):
+        alone = decode_record_b64(_complete(base, qwen_ckpt, p, 48)[1]["routed_experts"])
+        assert alone == rec
 
-        # prefix-cache hit: a second request sharing a 160-token prefix
-        first = _prompts(1, 2, 200, 201)[0]
-        _complete(base, qwen_ckpt, first, 4)
-        second = first[:160] + _prompts(1, 3, 30, 31)[0]
-        out, c, toks = _complete(base, qwen_ckpt, second, 8)
-        cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        assert cached >= 128, f"expected a prefix-cache hit, got {cached} cached tokens"
-        rec = decode_record_b64(c["routed_experts"])
-        assert rec.num_rows == len(toks) - 1
-        check(rec, toks)
+    # prefix-cache hit: a second request sharing a 160-token prefix
+    first = _prompts(1, 2, 200, 201)[0]
+    _complete(base, qwen_ckpt, first, 4)
+    second = first[:160] + _prompts(1, 3, 30, 31)[0]
+    out, c, toks = _complete(base, qwen_ckpt, second, 8)
+    cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached >= 128, f"expected a prefix-cache hit, got {cached} cached tokens"
+    rec = decode_record_b64(c["routed_experts"])
+    assert rec.num_rows == len(toks) - 1
+    check(rec, toks)
 
-        # rows from a position on (multi-turn)
-        _, c, toks = _complete(base, qwen_ckpt, second, 8, routed_experts_prompt_start=150)
-        rec = decode_record_b64(c["routed_experts"])
-        assert rec.start == 150 and rec.num_rows == len(toks) - 1 - 150
-        check(rec, toks)
+    # rows from a position on (multi-turn)
+    _, c, toks = _complete(base, qwen_ckpt, second, 8, routed_experts_prompt_start=150)
+    rec = decode_record_b64(c["routed_experts"])
+    assert rec.start == 150 and rec.num_rows == len(toks) - 1 - 150
+    check(rec, toks)
 
-        # streaming: the final chunk carries the record
-        chunks = post(base, "/v1/completions", {"model": str(qwen_ckpt), "prompt": second, "max_tokens": 8,
-                                                "temperature": 0, "ignore_eos": True, "stream": True}, stream=True)
-        finals = [ch["choices"][0] for ch in chunks if ch["choices"] and ch["choices"][0].get("finish_reason")]
-        assert len(finals) == 1 and finals[0].get("routed_experts")
-        srec = decode_record_b64(finals[0]["routed_experts"])
-        nonstream = decode_record_b64(_complete(base, qwen_ckpt, second, 8)[1]["routed_experts"])
-        assert srec == nonstream
+    # streaming: the final chunk carries the record
+    chunks = post(base, "/v1/completions", {"model": str(qwen_ckpt), "prompt": second, "max_tokens": 8,
+                                            "temperature": 0, "ignore_eos": True, "stream": True}, stream=True)
+    finals = [ch["choices"][0] for ch in chunks if ch["choices"] and ch["choices"][0].get("finish_reason")]
+    assert len(finals) == 1 and finals[0].get("routed_experts")
+    srec = decode_record_b64(finals[0]["routed_experts"])
+    nonstream = decode_record_b64(_complete(base, qwen_ckpt, second, 8)[1]["routed_experts"])
+    assert srec == nonstream
 
-        # chat completions, non-streaming and streaming
-        msgs = [{"role": "user", "content": "12 + 34 = 46. the answer"}]
-        body = {"model": str(qwen_ckpt), "messages": msgs, "max_tokens": 6, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True,
-                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
-        out = post(base, "/v1/chat/completions", body)
-        ch = out["choices"][0]
-        rec = decode_record_b64(ch["routed_experts"])
-        toks = out["prompt_token_ids"] + ch["token_ids"]
-        check(rec, toks)
-        chunks = post(base, "/v1/chat/completions", {**body, "stream": True}, stream=True)
-        finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
-        assert len(finals) == 1 and decode_record_b64(finals[0]["routed_experts"]) == rec
+    # chat completions, non-streaming and streaming
+    msgs = [{"role": "user", "content": "12 + 34 = 46. the answer"}]
+    body = {"model": str(qwen_ckpt), "messages": msgs, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    out = post(base, "/v1/chat/completions", body)
+    ch = out["choices"][0]
+    rec = decode_record_b64(ch["routed_experts"])
+    toks = out["prompt_token_ids"] + ch["token_ids"]
+    check(rec, toks)
+    chunks = post(base, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(finals) == 1 and decode_record_b64(finals[0]["routed_experts"]) == rec
     print(f"qwen3 fp32: {ties} of {rows} (token, layer) rows differ at fp32 ties")
     assert ties <= 0.01 * rows
 
 
-def test_kimi_k2_bf16_records_match_transformers(kimi_ckpt, tmp_path):
+def test_kimi_k2_bf16_records_match_transformers(kimi_ckpt, servers):
     """Acceptance 1 on a Kimi-K2-style (DeepSeek-V3 MLA, yarn rope) bf16 model.
 
     Reference: transformers in fp32 on the bf16 checkpoint (weights upcast
@@ -458,29 +444,20 @@ def test_kimi_k2_bf16_records_match_transformers(kimi_ckpt, tmp_path):
     ref = HFReference(kimi_ckpt, "float32")
     bias = np.stack([g.e_score_correction_bias.float().numpy() for g in ref.gates])
     assert np.abs(bias).max() > 0
-    # Kimi-K2's own config routes with sigmoid scores + a correction bias
-    # ("noaux_tc"), like transformers' DeepseekV3; vLLM reads that from
-    # topk_method/scoring_func, which transformers' DeepseekV3Config does not
-    # write (without them vLLM routes by softmax and rejects the bias weight).
-    overrides = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-    cfg = json.loads((Path(kimi_ckpt) / "config.json").read_text())
-    extra = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
-    if any(cfg.get(k) != v for k, v in overrides.items()):
-        extra += ["--hf-overrides", json.dumps(overrides)]
     layers = len(ref.layers)
     equal = np.zeros(layers, dtype=int)
     ties = np.zeros(layers, dtype=int)
     rows = np.zeros(layers, dtype=int)
     margins, bad, all_ids = [], [], []
     free_equal = free_rows = bias_changes = 0
-    with vllm_server(kimi_ckpt, "bfloat16", tmp_path, extra) as (base, _):
-        prompts = _prompts(8, 5, 20, 200)
-        with cf.ThreadPoolExecutor(8) as ex:
-            results = list(ex.map(lambda p: _complete(base, kimi_ckpt, p, 24), prompts))
-        # capture is exact whatever the batch: alone, the identical record
-        for p, (_, c, _t) in zip(prompts[:4], results[:4]):
-            alone = decode_record_b64(_complete(base, kimi_ckpt, p, 24)[1]["routed_experts"])
-            assert alone == decode_record_b64(c["routed_experts"])
+    base = servers["kimi_k2"]
+    prompts = _prompts(8, 5, 20, 200)
+    with cf.ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(lambda p: _complete(base, kimi_ckpt, p, 24), prompts))
+    # capture is exact whatever the batch: alone, the identical record
+    for p, (_, c, _t) in zip(prompts[:4], results[:4]):
+        alone = decode_record_b64(_complete(base, kimi_ckpt, p, 24)[1]["routed_experts"])
+        assert alone == decode_record_b64(c["routed_experts"])
     for (_, c, toks), p in zip(results, prompts):
         assert c["prompt_token_ids"] == p
         rec = decode_record_b64(c["routed_experts"])

@@ -19,7 +19,6 @@ response and on /metrics throughout.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -27,13 +26,13 @@ import sys
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_loop.replicas import start_replica, stop_replica, wait_healthy
 from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_stream
 from vllm_ext.weights.format import TensorMeta
 from vllm_ext.weights.shm import SHM_DIR, RingWriter
@@ -58,44 +57,6 @@ def _port() -> int:
             except OSError:
                 continue
     raise RuntimeError("no free port in 18431-18498")
-
-
-@contextmanager
-def server(model: Path, dtype: str, tmp: Path, backend: bool):
-    port = _port()
-    log = tmp / f"server-{port}.log"
-    env = dict(os.environ, VLLM_PLUGINS="moerl_routing", VLLM_SERVER_DEV_MODE="1", MOERL_ROUTING="0",
-               PYTHONPATH=str(ROOT), MOERL_POLICY_VERSION="1")
-    cmd = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
-           "--port", str(port), "--gpu-memory-utilization", "0.3", "--block-size", "32",
-           "--max-model-len", "512", "--max-num-seqs", "8"]
-    if backend:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": "moerl"})]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 def generate(base: str, model: Path) -> list[tuple[list[int], list[float], list]]:
@@ -214,24 +175,29 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref_v2(ckpts):
-    tmp, _, v2 = ckpts
-    with server(v2, DTYPE, tmp, backend=False) as (base, _):
-        return tokens_and_logprobs(generate(base, v2))
+def servers(ckpts):
+    """A fresh server on v2 and the TP=1 replica on v1, started side by side (compiled, as
+    external replicas run): the v2 reference outputs, then the replica with its own v1
+    outputs. The reference server is stopped once its outputs are taken."""
+    tmp, v1, v2 = ckpts
+    env = {"MOERL_ROUTING": "0", "PYTHONPATH": str(ROOT), "MOERL_POLICY_VERSION": "1"}
+    started = [start_replica(name, ckpt, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
+                             enforce_eager=False, env=env) for name, ckpt in (("ref-v2", v2), ("replica-v1", v1))]
+    ref, rep = started
+    try:
+        wait_healthy(started, timeout_s=600)
+        ref_v2 = tokens_and_logprobs(generate(ref.base_url, v2))
+        stop_replica(ref)
+        yield ref_v2, rep.base_url, tokens_and_logprobs(generate(rep.base_url, v1))
+    finally:
+        for r in started:
+            stop_replica(r)
 
 
-@pytest.fixture(scope="module")
-def replicas(ckpts):
-    """The TP=1 replica on v1, with its fresh v1 outputs: [(base, log, own_v1)]."""
-    tmp, v1, _ = ckpts
-    with server(v1, DTYPE, tmp, backend=True) as (b1, log1):
-        yield [(b1, log1, tokens_and_logprobs(generate(b1, v1)))]
-
-
-def test_update_equals_fresh_server(ckpts, ref_v2, replicas, monkeypatch):
+def test_update_equals_fresh_server(ckpts, servers, monkeypatch):
     tmp_path, v1, v2 = ckpts
     items_v1, items_v2 = hf_tensors(v1), hf_tensors(v2)
-    base, _, own_v1 = replicas[0]
+    ref_v2, base, own_v1 = servers
     rep = Replica(base)
     outs = generate(base, v1)
     assert tokens_and_logprobs(outs) == own_v1
