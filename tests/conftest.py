@@ -6,6 +6,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,16 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@contextmanager
+def two_at_a_time(jobs: dict[Hashable, Callable[[], object]]) -> Iterator[dict[Hashable, Future]]:
+    """Run every job (a no-argument callable, typically a command) in the background, two at a
+    time, as futures by key. Commands that start servers or torchrun spend much of their time in
+    single-threaded start-up (imports, config, model build), which leaves one of this 2-core
+    machine's cores idle; the other job uses it. Jobs must not share ports or output paths."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {key: pool.submit(fn) for key, fn in jobs.items()}
 
 
 def run_interpreted_cases(cases_file: Path, expected_passed: int) -> None:

@@ -12,23 +12,70 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import two_at_a_time
+
 pytestmark = pytest.mark.slow
 
 
-def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(tiny_checkpoint, tmp_path):
-    ckpt = tiny_checkpoint("qwen3_moe", 0.1)
-    out = tmp_path / "mismatch.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt), "--num-samples", "16",
-         "--max-tokens", "16", "--dtype", "float32", "--json-out", str(out), "--port", "18650",
-         "--log-dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=1800)
+def _mismatch(ckpt: Path, out_dir: Path, port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt),
+         "--json-out", str(out_dir / "mismatch.json"), "--port", str(port), "--log-dir", str(out_dir / "logs"),
+         *args], capture_output=True, text=True, timeout=1800)
+
+
+def _context_limit(ckpt: Path, out_dir: Path) -> list[subprocess.CompletedProcess]:
+    """--max-tokens 300 (over; in its own directory "over"), then one more than the limit that
+    error names, then the limit."""
+    runs = [_mismatch(ckpt, out_dir / "over", 18651, "--num-samples", "4", "--max-tokens", "300")]
+    m = re.search(r"at most (\d+)\n", runs[0].stderr)
+    if m:
+        fit = int(m[1])
+        runs += [_mismatch(ckpt, out_dir, 18651, "--num-samples", "4", "--max-tokens", str(n)) for n in (fit + 1, fit)]
+    return runs
+
+
+def _broken_server(ckpt: Path, out_dir: Path) -> subprocess.CompletedProcess:
+    """A checkpoint whose weights file is cut in half: the server cannot load it."""
+    broken = out_dir / "broken"
+    shutil.copytree(ckpt, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return _mismatch(broken, out_dir, 18653, "--num-samples", "4", "--max-tokens", "8")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoint, tmp_path_factory):
+    """Every test's `moerl mismatch` commands, two at a time in the background; each test reads
+    its own run (and its own directory: "dir")."""
+    from rl_loop.tiny_models import make_tiny_checkpoint
+
+    # tiny Qwen3-MoE whose config declares a 256-token context (max_position_embeddings = 256)
+    ctx256 = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ctx256"), init_scale=0.1,
+                                  max_position_embeddings=256)
+    dirs = {k: tmp_path_factory.mktemp(k) for k in ("fp32", "context", "broken", "fp8")}
+    jobs = {
+        "fp32": partial(_mismatch, tiny_checkpoint("qwen3_moe", 0.1), dirs["fp32"], 18650, "--num-samples", "16",
+                        "--max-tokens", "16", "--dtype", "float32"),
+        "fp8": partial(_mismatch, tiny_checkpoint("kimi_k2", 0.1), dirs["fp8"], 18652, "--served-weights",
+                       "block-fp8-dequantized", "--num-samples", "4", "--max-tokens", "8"),
+        "context": partial(_context_limit, ctx256, dirs["context"]),
+        "broken": partial(_broken_server, ctx256, dirs["broken"]),
+    }
+    with two_at_a_time(jobs) as futures:
+        yield {k: (f, dirs[k]) for k, f in futures.items()}
+
+
+def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(runs):
+    future, out_dir = runs["fp32"]
+    proc = future.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = json.loads((out_dir / "mismatch.json").read_text())
     assert r["model"] == "qwen3_moe" and r["experts"] == 64 and r["top_k"] == 8
     assert r["num_completions"] == 16 and r["completion_tokens_min"] == 16
     assert r["details"]["num_rejected"] == 0
@@ -39,26 +86,11 @@ def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(tiny_checkpoint, tmp_pa
     assert r["kl_floor"] > r["kl_replay"]  # the trainer's own bf16 twin is farther off than fp32 vLLM
 
 
-@pytest.fixture(scope="module")
-def ctx256_checkpoint(tmp_path_factory):
-    """Tiny Qwen3-MoE whose config declares a 256-token context (max_position_embeddings = 256)."""
-    from rl_loop.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ctx256"), init_scale=0.1,
-                                max_position_embeddings=256)
-
-
-def _mismatch(ckpt, tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt), "--num-samples", "4",
-         "--json-out", str(tmp_path / "mismatch.json"), "--port", "18651", "--log-dir", str(tmp_path / "logs"),
-         *args], capture_output=True, text=True, timeout=1800)
-
-
-def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(ctx256_checkpoint, tmp_path):
+def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(runs):
     """Too many tokens: exit 2 with one line naming the numbers and the flag, before any server starts.
     The largest --max-tokens that line allows then runs to the end of the context."""
-    over = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", "300")
+    future, out_dir = runs["context"]
+    over, *rest = future.result()
     assert over.returncode == 2, over.stderr[-3000:]
     m = re.fullmatch(r"moerl mismatch: error: the longest prompt \((\d+) tokens\) \+ --max-tokens 300 = (\d+) tokens "
                      r"exceed the checkpoint's context of 256 tokens \(max_position_embeddings in \S+config.json\); "
@@ -66,25 +98,19 @@ def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(ctx256_ch
     assert m, over.stderr
     prompt, fit = int(m[1]), int(m[3])
     assert int(m[2]) == prompt + 300 and prompt + fit == 256
-    assert not (tmp_path / "logs").exists()  # no server was started
-
-    over_by_one = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", str(fit + 1))
+    assert not (out_dir / "over" / "logs").exists()  # no server was started
+    over_by_one, ok = rest
     assert over_by_one.returncode == 2 and f"at most {fit}\n" in over_by_one.stderr
-
-    ok = _mismatch(ctx256_checkpoint, tmp_path, "--max-tokens", str(fit))
     assert ok.returncode == 0, ok.stderr[-3000:]
-    r = json.loads((tmp_path / "mismatch.json").read_text())
+    r = json.loads((out_dir / "mismatch.json").read_text())
     assert r["num_completions"] == 4 and r["completion_tokens_min"] == fit
     assert r["details"]["num_rejected"] == 0
 
 
-def test_a_server_that_fails_to_start_is_one_line_with_its_log(ctx256_checkpoint, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(ctx256_checkpoint, broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    proc = _mismatch(broken, tmp_path, "--max-tokens", "8")
-    log = tmp_path / "logs" / "mismatch.log"
+def test_a_server_that_fails_to_start_is_one_line_with_its_log(runs):
+    future, out_dir = runs["broken"]
+    proc = future.result()
+    log = out_dir / "logs" / "mismatch.log"
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = proc.stderr.splitlines()[-1]
     assert line.startswith("moerl mismatch: error: vLLM server mismatch exited (")
@@ -95,27 +121,22 @@ def test_a_server_that_fails_to_start_is_one_line_with_its_log(ctx256_checkpoint
     assert "SafetensorError" in cause  # the worker's error, not the wrappers that point to it
 
 
-def test_mismatch_serves_the_trainer_weights_block_fp8_dequantized(tiny_checkpoint, tmp_path):
+def test_mismatch_serves_the_trainer_weights_block_fp8_dequantized(runs, tiny_checkpoint):
     """`--served-weights block-fp8-dequantized`: the server loads the block-fp8 export of the
     trainer's weights dequantized on load (a temporary checkpoint, gone after the run), and the
     report says so; the trainer side still reads the original checkpoint."""
     from titan_ext.models.block_fp8 import BlockFp8Config
 
-    ckpt = tiny_checkpoint("kimi_k2", 0.1)
-    out = tmp_path / "mismatch.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt), "--served-weights",
-         "block-fp8-dequantized", "--num-samples", "4", "--max-tokens", "8", "--json-out", str(out),
-         "--port", "18652", "--log-dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=600)
+    future, out_dir = runs["fp8"]
+    proc = future.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(served: block-fp8-dequantized)" in proc.stdout
-    r = json.loads(out.read_text())
+    r = json.loads((out_dir / "mismatch.json").read_text())
     assert r["served_weights"] == r["config"]["served_weights"] == "block-fp8-dequantized"
     assert r["served_quantization"] == BlockFp8Config().to_hf()
     assert r["model"] == "kimi_k2" and r["num_completions"] == 4 and r["completion_tokens_min"] == 8
     assert r["details"]["num_rejected"] == 0
-    served = re.search(r"model='([^']*)'", (tmp_path / "logs" / "mismatch.log").read_text())
+    served = re.search(r"model='([^']*)'", (out_dir / "logs" / "mismatch.log").read_text())
     assert served, "the server log names no model"
-    assert served[1].endswith("/dequantized") and served[1] != str(ckpt)
+    assert served[1].endswith("/dequantized") and served[1] != str(tiny_checkpoint("kimi_k2", 0.1))
     assert not Path(served[1]).exists()  # the served copy was temporary

@@ -4,13 +4,13 @@ import math
 import os
 import re
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, VENV_BIN, losses_from_log, run_torchrun
+from tests.conftest import ROOT, VENV_BIN, losses_from_log, run_torchrun, two_at_a_time
 
 TORCHTITAN = str(VENV_BIN / "torchtitan")
 
@@ -137,12 +137,12 @@ def _run_cli_case(dump: Path, model: str, topology: str, ac: str) -> subprocess.
 @pytest.fixture(scope="module")
 def cli_runs(request, tmp_path_factory):
     """The selected CLI_CASES' commands, two at a time in the background from the first test that
-    asks: one run's single-threaded start-up (imports, config, model build) and TorchTitan's 2 s
-    pause at the end leave a core idle on this 2-core machine, which the other run uses."""
+    asks (TorchTitan's 2 s pause at the end of a run leaves a core idle too)."""
     selected = [tuple(item.callspec.params[k] for k in ("model", "topology", "ac")) for item in request.session.items
                 if getattr(item, "originalname", None) == "test_torchtitan_cli_trains"]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {case: pool.submit(_run_cli_case, tmp_path_factory.mktemp("cli"), *case) for case in selected}
+    with two_at_a_time({case: partial(_run_cli_case, tmp_path_factory.mktemp("cli"), *case)
+                        for case in selected}) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("model,topology,ac", CLI_CASES, ids=["-".join(c) for c in CLI_CASES])
