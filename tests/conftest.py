@@ -63,6 +63,16 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs pytest-xdist with two workers and `--dist loadgroup`: every integration test
+    goes to one worker, in file order, exactly as a serial run takes them (they start servers on fixed
+    ports, own whole cores and kill process trees), while the other worker takes the unit tests, which
+    are mostly single-threaded: a 2-core machine then has both cores busy."""
+    for item in items:
+        if item.nodeid.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.xdist_group("integration"))
+
+
 @contextmanager
 def two_at_a_time(jobs: dict[Hashable, Callable[[], object]]) -> Iterator[dict[Hashable, Future]]:
     """Run every job (a no-argument callable, typically a command) in the background, two at a
