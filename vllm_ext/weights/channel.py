@@ -116,11 +116,12 @@ class SenderChannel(_Channel):
             return self.store.get(key)
         limit = self.timeout_s if limit is None else limit
         deadline, pause = time.monotonic() + limit, 0.001
+        who = "the receiver" if self.world_size == 2 else f"receiver rank {rank}"
         while not self.store.check([key]):
             if gone is not None and (why := gone()):
-                raise ReceiverLost(f"receiver rank {rank} will not join: {why}")
+                raise ReceiverLost(f"{who} will not join: {why}")
             if time.monotonic() > deadline:
-                raise ReceiverLost(f"receiver rank {rank} did not join within {limit:.0f} s")
+                raise ReceiverLost(f"{who} did not join within {limit:.0f} s")
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
         return self.store.get(key)
