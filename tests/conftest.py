@@ -63,14 +63,20 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs pytest-xdist with two workers and `--dist loadgroup`: every integration test
-    goes to one worker, in file order, exactly as a serial run takes them (they start servers on fixed
-    ports, own whole cores and kill process trees), while the other worker takes the unit tests, which
-    are mostly single-threaded: a 2-core machine then has both cores busy."""
-    for item in items:
-        if item.nodeid.startswith("tests/integration/"):
-            item.add_marker(pytest.mark.xdist_group("integration"))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs pytest-xdist with two workers: every integration test goes to one worker, in
+    file order, exactly as a serial run takes them (they start servers on fixed ports, own whole cores
+    and kill process trees), while the other worker takes the unit tests, which are mostly
+    single-threaded: a 2-core machine then has both cores busy. (xdist's own `--dist loadgroup`
+    marks do not group on pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationOnOneWorker(config, log)
 
 
 @contextmanager
