@@ -56,11 +56,23 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node nproc args...` and return the completed process (output captured)."""
+    """Run `torchrun --nproc_per_node nproc args...` and return the completed process (output captured).
+    On timeout the whole job is killed, workers too: torchrun starts each in a session of its own, so
+    killing torchrun (or its process group) alone leaves them running."""
     # --standalone: a free rendezvous port, so concurrent runs (two test sessions, a moerl run) never collide on 29500
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                p.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.hookimpl(optionalhook=True)
