@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,8 +97,10 @@ def metrics_path(run_dir: Path, step: int) -> Path:
 
 
 def write_atomic(path: Path, writer) -> None:
+    """`writer(tmp)`, then rename tmp to `path`: readers see the whole file or none. The temporary
+    name is per process and thread, so threads may write at once (the orchestrator's write-offs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     writer(tmp)
     os.replace(tmp, path)
 

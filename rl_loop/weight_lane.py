@@ -25,11 +25,11 @@ other replica's update runs to its end.
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .trainer import write_atomic
 
 __all__ = ["LaneChoice", "choose_lane", "sync_dir", "read_infos", "write_off", "written_off"]
 
@@ -81,11 +81,7 @@ def _lost_path(run_dir: Path, version: int, replica: int) -> Path:
 
 def write_off(run_dir: Path, version: int, replica: int, why: str) -> None:
     """Tell the trainer ranks that replica `replica` (its index) will not take `version`, and why."""
-    path = _lost_path(run_dir, version, replica)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(why)
-    tmp.replace(path)
+    write_atomic(_lost_path(run_dir, version, replica), lambda tmp: tmp.write_text(why))
 
 
 def written_off(run_dir: Path, version: int, replica: int) -> str | None:
