@@ -17,7 +17,8 @@ _registered = False
 def register() -> None:
     """Install routing capture (engine side) and the response field (API side).
 
-    Also applies the vLLM runtime patches this process needs (`patches.vllm_cpu_mla_rope`).
+    Also applies the vLLM runtime patches this process needs (`patches.vllm_cpu_mla_rope`,
+    `patches.vllm_executor_reads_every_answer`).
 
     Set MOERL_ROUTING=0 to load the plugin without capture.
     """
@@ -25,10 +26,11 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from patches import vllm_cpu_mla_rope
+    from patches import vllm_cpu_mla_rope, vllm_executor_reads_every_answer
 
-    if vllm_cpu_mla_rope.PATCH.needed():  # before any model is built in this process
-        vllm_cpu_mla_rope.PATCH.apply()
+    for patch in (vllm_cpu_mla_rope.PATCH, vllm_executor_reads_every_answer.PATCH):
+        if patch.needed():  # before any model or executor is built in this process
+            patch.apply()
     from .weights import register as register_weights
 
     register_weights()  # weight-transfer backend "moerl", version in responses and /metrics

@@ -204,3 +204,48 @@ def test_torch_meta_grouped_mm_still_rejects_fp32(monkeypatch):
         assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype)
     monkeypatch.setattr(meta, "_meta_grouped_mm_common", patch_mod._STOCK)
     assert "BF16" in patch_mod.fp32_meta_error()
+
+
+def test_vllm_executor_still_leaves_answers_unread_after_a_worker_error():
+    """vLLM 0.32's collective_rpc raises at worker 0's error answer with worker 1's answer to
+    the same call still queued; the next call then reads it as its own. Fails once upstream
+    reads every answer; then delete patches/vllm_executor_reads_every_answer.py."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
+
+    from patches import vllm_executor_reads_every_answer as p
+
+    upstream = getattr(MultiprocExecutor.collective_rpc, "__wrapped__", MultiprocExecutor.collective_rpc)
+    assert p.leaves_answers_unread(upstream)
+    ok, failed = WorkerProc.ResponseStatus.SUCCESS, WorkerProc.ResponseStatus.FAILURE
+    ex = p.fake_executor([[(failed, "refused"), (ok, "paused")], [(failed, "refused"), (ok, "paused")]])
+    with pytest.raises(RuntimeError, match="refused"):
+        upstream(ex, "update_weights")
+    with pytest.raises(RuntimeError, match="refused"):  # the stale answer of worker 1
+        upstream(ex, "pause")
+
+
+def test_patched_executor_reads_every_answer_before_raising():
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
+
+    from patches import vllm_executor_reads_every_answer as p
+
+    p.PATCH.apply()
+    assert not p.PATCH.needed() and not p.leaves_answers_unread()
+    rpc = MultiprocExecutor.collective_rpc
+    ok, failed = WorkerProc.ResponseStatus.SUCCESS, WorkerProc.ResponseStatus.FAILURE
+    ex = p.fake_executor([[(failed, "checksum mismatch"), (ok, "p0"), (ok, "a0")],
+                          [(failed, "another worker refused"), (ok, "p1"), (failed, "bad box")]])
+    with pytest.raises(RuntimeError, match="'checksum mismatch; another worker refused'"):
+        rpc(ex, "update_weights")
+    assert rpc(ex, "pause") == ["p0", "p1"]
+    with pytest.raises(RuntimeError, match="'bad box'"):  # only worker 1 failed
+        rpc(ex, "update_weights")
+    assert all(not mq.answers for mq in ex.response_mqs)
+    ex = p.fake_executor([[(ok, "a0"), (ok, "b0")], [(ok, "a1")]])
+    assert rpc(ex, "one", unique_reply_rank=1) == "a1"  # only that worker answers
+    assert rpc(ex, "one", unique_reply_rank=0) == "a0"
+    ex.response_mqs[1].answers.append((failed, "late"))
+    future = rpc(ex, "both", non_block=True)
+    with pytest.raises(RuntimeError, match="'late'"):
+        future.result()
+    assert all(not mq.answers for mq in ex.response_mqs)
