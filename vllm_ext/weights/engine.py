@@ -191,8 +191,15 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.expected.items()}
         t0 = time.perf_counter()
         rss0 = _reset_peak_rss()
-        nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load, version=info.version,
-                                      agree=_tp_agree)
+        try:
+            nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load,
+                                          version=info.version, agree=_tp_agree)
+        except BaseException:
+            _tp_agree(False)
+            raise
+        if not _tp_agree(True):  # every worker fails together: vLLM clears each one's update state only on a raise
+            raise WeightUpdateError("another worker of this replica failed in the apply pass; the weights are partly "
+                                    "updated (the next update restores them)")
         served.applied(info.version)
         extra = _peak_rss() - rss0
         dt = time.perf_counter() - t0
