@@ -360,10 +360,12 @@ def rl_sync_section(tmp: Path, steps: int = 4, port: int = 18631) -> dict:
                  "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"]} for r in recs]
         steady = [x for x in rows if x["step"] < steps]
         out[lane] = {"command": " ".join(cmd), "per_step": rows,
+                     "median_sync_s": statistics.median(x["sync_s"] for x in steady),
                      "median_total_s": statistics.median(x["total_s"] for x in steady),
                      "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
                                             if "weight sync lane" in line), None)}
     out["fs_over_shm"] = out["fs"]["median_total_s"] / out["shm"]["median_total_s"]
+    out["fs_over_shm_sync"] = out["fs"]["median_sync_s"] / out["shm"]["median_sync_s"]
     return out
 
 

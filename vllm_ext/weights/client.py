@@ -69,11 +69,31 @@ class Replica:
         return self.get("/weight_info")["weight_version"]
 
 
+def _each(fn: Callable[[int], None], indices: Sequence[int]) -> dict[int, Exception]:
+    """fn(i) for every index at once (one thread each: the replicas answer independently, so
+    n round trips cost one); the failures by index."""
+    failures: dict[int, Exception] = {}
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except Exception as exc:  # noqa: BLE001 - returned to the caller
+            failures[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in indices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
+
+
 def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                   update_body: Callable[[int, Replica], dict],
                   during: Callable[[], int] | None = None,
                   lost: Callable[[int, str], None] | None = None) -> SyncResult:
-    """pause -> start -> update (all replicas concurrently, plus `during` in this thread) -> finish -> resume.
+    """pause -> start -> update (plus `during` in this thread) -> finish -> resume, each step on
+    all replicas concurrently.
 
     Without `lost`, a replica failing to pause or start ends the update for all. With it
     (replicas fed by senders of their own, as the sharded lanes' are), that replica alone
@@ -90,19 +110,20 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
         if lost is not None:
             lost(i, str(exc))
 
+    def drop_failed(failures: dict[int, Exception]) -> None:
+        for i, exc in sorted(failures.items()):
+            if lost is None:
+                raise exc
+            failed(i, exc)
+            active.remove(i)
+
+    def prepare(i: int) -> None:
+        replicas[i].post("/pause?mode=keep")
+        paused.append(replicas[i])
+        replicas[i].post("/start_weight_update")
+
     try:
-        for path in ("/pause?mode=keep", "/start_weight_update"):
-            for i in list(active):
-                try:
-                    replicas[i].post(path)
-                except WeightSyncError as exc:
-                    if lost is None:
-                        raise
-                    failed(i, exc)
-                    active.remove(i)
-                else:
-                    if path.startswith("/pause"):
-                        paused.append(replicas[i])
+        drop_failed(_each(prepare, active))
         t1 = time.perf_counter()
         ok: dict[str, bool] = {}
 
@@ -124,21 +145,14 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
         for t in threads:
             t.join()
         res.transfer_seconds = time.perf_counter() - t1
-        for i in [i for i in active if ok.get(replicas[i].base)]:
-            try:
-                replicas[i].post("/finish_weight_update", {"weight_version": str(int(version))})
-            except WeightSyncError as exc:
-                if lost is None:
-                    raise
-                failed(i, exc)
+        active = [i for i in active if ok.get(replicas[i].base)]
+        drop_failed(_each(lambda i: replicas[i].post("/finish_weight_update",
+                                                     {"weight_version": str(int(version))}), active))
     except WeightSyncError as exc:
         errors.setdefault("protocol", str(exc))
     finally:
-        for r in paused:
-            try:
-                r.post("/resume")
-            except WeightSyncError as exc:
-                errors.setdefault(r.base + " resume", str(exc))
+        for i, exc in sorted(_each(lambda i: paused[i].post("/resume"), range(len(paused))).items()):
+            errors.setdefault(paused[i].base + " resume", str(exc))
         res.seconds = time.perf_counter() - t0
     if errors:
         raise WeightSyncError(f"weight update to version {version} failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))

@@ -1,0 +1,100 @@
+"""The update protocol's driver (vllm_ext.weights.client): every step on all replicas at once, a failing
+replica dropped alone on the sharded lanes, every paused replica resumed. FakeReplica stands in for a
+vLLM server's dev-mode routes (the real servers are in tests/integration/test_weight_sync.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vllm_ext.weights.client import WeightSyncError, push_fs, push_sharded
+
+
+class FakeReplica:
+    """Records every request; `fail` maps a route to the HTTP status it answers; `meet` is a
+    barrier every replica's /pause waits at (it breaks, and /pause fails, unless they all
+    arrive together)."""
+
+    def __init__(self, meet: threading.Barrier | None = None, fail: dict[str, int] | None = None):
+        self.calls: list[tuple[str, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+                route = self.path.split("?")[0]
+                fake.calls.append((route, body))
+                status = (fail or {}).get(route, 200)
+                if route == "/pause" and meet is not None:
+                    try:
+                        meet.wait(timeout=5)
+                    except threading.BrokenBarrierError:
+                        status = 500
+                payload = json.dumps({} if status == 200 else {"error": {"message": f"{route} refused"}}).encode()
+                self.send_response(status)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def routes(self) -> list[str]:
+        return [r for r, _ in self.calls]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fakes(request):
+    made: list[FakeReplica] = []
+
+    def make(*args, **kw) -> FakeReplica:
+        made.append(FakeReplica(*args, **kw))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+FULL = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+
+
+def test_every_replica_is_paused_at_once_and_updated(fakes, tmp_path):
+    meet = threading.Barrier(3)
+    reps = [fakes(meet) for _ in range(3)]
+    res = push_sharded([r.url for r in reps], [[[{"rank": 0}]]] * 3, 7)
+    assert res.version == 7
+    for r in reps:
+        assert r.routes() == FULL
+        assert r.calls[2][1]["update_info"]["version"] == 7
+        assert r.calls[3][1] == {"weight_version": "7"}
+
+
+def test_on_a_sharded_lane_a_failing_replica_drops_out_alone(fakes):
+    reps = [fakes(), fakes(fail={"/start_weight_update": 500}), fakes(fail={"/update_weights": 500})]
+    lost: list[tuple[int, str]] = []
+    with pytest.raises(WeightSyncError, match="start_weight_update: HTTP 500"):
+        push_sharded([r.url for r in reps], [[[{}]]] * 3, 8, lost=lambda i, why: lost.append((i, why)))
+    assert sorted(i for i, _ in lost) == [1, 2]
+    assert reps[0].routes() == FULL
+    assert reps[1].routes() == ["/pause", "/start_weight_update", "/resume"]
+    assert reps[2].routes() == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
+
+
+def test_on_the_filesystem_lane_a_replica_that_cannot_pause_stops_the_update_for_all(fakes, tmp_path):
+    reps = [fakes(), fakes(fail={"/pause": 500})]
+    with pytest.raises(WeightSyncError, match=r"pause\?mode=keep: HTTP 500: /pause refused"):
+        push_fs([r.url for r in reps], tmp_path, 3)
+    assert reps[0].routes() == ["/pause", "/start_weight_update", "/resume"]
+    assert reps[1].routes() == ["/pause"]
