@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size_tokens=args.block_size_tokens, watch_file=not args.no_watch,
         policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric, kv_events=events,
     )
-    print(f"wrote {cfg} and {eps}")
+    print(f"wrote {cfg.resolve()} and {eps}")
     print("start the picker (router_ext/epp/picker/README.md builds moerl-epp):")
     print("  " + " ".join(shlex.quote(a) for a in epp_command(cfg.resolve(), pool_namespace=args.pool_namespace)))
     print("its ports listen on every interface (llm-d has no bind-address flag): keep them off other hosts' reach")
