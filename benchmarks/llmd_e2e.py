@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="conversations per group")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=48, help="tokens the model samples per turn")
+    ap.add_argument("--epp-v", type=int, default=0,
+                    help="the picker's log verbosity (4: every scorer's score per endpoint and request, in "
+                         "<work dir>/<arm>.log)")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="moerl-llmd-e2e-"))
+    print(f"work directory (replicas' and pickers' logs): {work}", flush=True)
     try:
         binaries = build(work / "bin")
     except Unresolvable as e:
@@ -160,7 +164,8 @@ def main(argv=None) -> int:
             if isinstance(arm, ScorerParams):
                 cfg, _ = write(endpoints, work / name, arm, kv_events=events)
                 epp_ports = EppPorts(free_port(), free_port(), free_port())
-                epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports),
+                verbosity = [f"--v={args.epp_v}"] if args.epp_v else []
+                epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports) + verbosity,
                                        stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
                 epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
                 wait_up(epp_metrics, epp)
