@@ -350,6 +350,7 @@ def rl_sync_section(tmp: Path, steps: int = 4, port: int = 18631) -> dict:
                "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
                "--set", f"train.steps={steps}", "--set", "train.nproc=2", "--set", "train.checkpoint_interval=100",
                "--set", f"inference.weight_sync={lane}"]
+        load = os.getloadavg()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(f"moerl rl ({lane}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -362,6 +363,7 @@ def rl_sync_section(tmp: Path, steps: int = 4, port: int = 18631) -> dict:
         out[lane] = {"command": " ".join(cmd), "per_step": rows,
                      "median_sync_s": statistics.median(x["sync_s"] for x in steady),
                      "median_total_s": statistics.median(x["total_s"] for x in steady),
+                     "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
                      "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
                                             if "weight sync lane" in line), None)}
     out["fs_over_shm"] = out["fs"]["median_total_s"] / out["shm"]["median_total_s"]
