@@ -1,7 +1,8 @@
 """Which lane carries new weights to the replicas in `moerl rl`, and the files both ends meet at.
 
-Lanes (benchmarks/results/weight_sync.json). 'auto' is `fs`: the sharded lanes measured
-slower than `fs` at the main job's size (0.99 vs 0.86 s per step); they are there when asked for.
+Lanes (benchmarks/results/weight_sync.json). 'auto' is `fs`: at the main job's size the sharded
+shm lane measured no faster than `fs` (1.27 vs 1.33 s per step, 0.99 vs 0.86 s in an earlier run):
+both replicas' vLLM reloads share one core whatever the lane (README: why); they are there when asked for.
   shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
        replica reads them from shared-memory rings: same host only;
   net  the same pieces over gloo (TCP): replicas on other hosts;
