@@ -6,11 +6,16 @@ refuses a layout mismatch before applying anything, and keeps only bounded memor
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+from vllm_ext.weights import peak_rss
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
 from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard
 from vllm_ext.weights.shm import RingShape
@@ -83,3 +88,85 @@ def test_shape_mismatch_is_refused_in_the_verify_pass_and_nothing_applied():
     assert err and "mismatched: model.layers.0.self_attn.o_proj.weight: update [32, 64], model [64, 32]" in err
     assert got == {}, "nothing reaches the model"
     assert send_errors and all("refused" in e for e in send_errors)
+
+
+MiB = 1 << 20
+BIG_TENSORS = 64  # 1 MiB each: a 64 MiB update, ~4x the bound on what the worker may hold (below)
+
+
+def big_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(512, 1024, generator=g).to(torch.bfloat16)
+            for i in range(BIG_TENSORS)}
+
+
+def receive_and_measure() -> None:
+    """The replica worker's side in a process of its own (so only its memory is counted): a
+    warm-up update (connections, threads, allocator), then one measured update; prints the
+    peak resident bytes above the start of the measured one and a checksum per tensor."""
+    import gc
+
+    torch.set_num_threads(1)
+    job = json.loads(sys.stdin.readline())
+    needs = {n: tuple(tuple(b) for b in box) for n, box in job["needs"].items()}
+    expected = {n: TensorMeta(n, "bfloat16", tuple(s)) for n, s in job["shapes"].items()}
+    sums: dict[str, int] = {}
+
+    def apply(items) -> None:
+        for name, t in items:
+            sums[name] = int(t.view(torch.int16).sum())
+
+    receiver = ShardedReceiver()
+    receiver.receive(job["infos"], needs, expected, apply, version=5, budget=job["budget"])
+    gc.collect()
+    base = peak_rss.reset()
+    receiver.receive(json.loads(sys.stdin.readline()), needs, expected, apply, version=6, budget=job["budget"])
+    extra = peak_rss.peak() - base
+    receiver.close()
+    print(json.dumps({"peak_extra": extra, "sums": sums}))
+
+
+def test_worker_memory_during_an_update_stays_within_its_buckets_not_the_update():
+    """#18: peak extra memory on a replica worker <= its shm buckets + the assembly budget +
+    the tensors handed to the loader + O(metadata), measured (VmHWM), for an update 8x that."""
+    w = big_weights()
+    shapes = {n: tuple(t.shape) for n, t in w.items()}
+    need = replica_needs(shapes, 1)[0]
+    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
+    pieces = reshard(list(shapes), owned, [need])
+    ring = RingShape(2, MiB)
+    senders = [ShardedSender(r, 1, timeout_s=60, bucket_bytes=MiB, shm=ring) for r in range(RANKS)]
+    job = {"budget": 2 * MiB, "needs": need, "shapes": shapes}
+    child = subprocess.Popen([sys.executable, "-c", "from tests.unit.test_weights_sharded import "
+                              "receive_and_measure as m; m()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        for version in (5, 6):
+            infos = [s.update_infos(version)[0] for s in senders]
+            child.stdin.write(json.dumps(dict(job, infos=infos) if version == 5 else infos) + "\n")
+            child.stdin.flush()
+            threads = [threading.Thread(target=s.send, args=(
+                [p for p in pieces if p.sender == r], lambda p: w[p.name][tuple(slice(a, b) for a, b in p.box)],
+                {n: "bfloat16" for n in w}, shapes, version)) for r, s in enumerate(senders)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        child.stdin.close()
+        out = child.stdout.read()
+        child.wait(60)
+    finally:
+        child.kill()
+        for s in senders:
+            s.close()
+    assert child.returncode == 0, out
+    got = json.loads(out.splitlines()[-1])
+    assert got["sums"] == {n: int(t.view(torch.int16).sum()) for n, t in w.items()}, "every tensor arrived whole"
+    update = sum(t.numel() * t.element_size() for t in w.values())
+    held = (RANKS * ring.slots * ring.slot_bytes  # both senders' rings, mapped by the worker
+            + job["budget"]  # tensors being assembled
+            + 3 * MiB)  # two finished tensors queued for the loader + the one it is loading
+    metadata = 8 * MiB  # manifests, digests, thread stacks, allocator slack
+    print(f"peak extra {got['peak_extra'] / MiB:.1f} MiB for a {update / MiB:.0f} MiB update "
+          f"(bound {(held + metadata) / MiB:.0f} MiB)")
+    assert got["peak_extra"] <= held + metadata

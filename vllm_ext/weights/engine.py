@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import served
+from . import peak_rss, served
 from .format import TensorMeta, WeightUpdateError
 from .plan import TpRules, vllm_tp_box
 from .sharded import ShardedReceiver
@@ -190,7 +190,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
         needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.expected.items()}
         t0 = time.perf_counter()
-        rss0 = _reset_peak_rss()
+        rss0 = peak_rss.reset()
         try:
             nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load,
                                           version=info.version, agree=_tp_agree)
@@ -201,7 +201,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
             raise WeightUpdateError("another worker of this replica failed in the apply pass; the weights are partly "
                                     "updated (the next update restores them)")
         served.applied(info.version)
-        extra = _peak_rss() - rss0
+        extra = peak_rss.peak() - rss0
         dt = time.perf_counter() - t0
         self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
         logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %.1f MB, %.3fs, "
@@ -255,26 +255,6 @@ def _tp_agree(ok: bool) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
     return bool(flag.item())
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> int:
-    """Reset the kernel's peak-RSS mark of this process (Linux); the resident bytes now."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    return _status_kb("VmRSS") * 1024
-
-
-def _peak_rss() -> int:
-    return _status_kb("VmHWM") * 1024
 
 
 def _live_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
