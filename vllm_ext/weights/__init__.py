@@ -14,6 +14,8 @@ before it:
   sender and its receivers, kept across updates;
 * ``stream.py``: the streaming transport over torch.distributed, both ends
   (control on ``channel.py``, bytes through ``shm.py`` or gloo broadcasts);
+* ``peak_rss.py``: the peak resident memory of a stretch of work (the bound a
+  sharded update promises, logged by the engine and held to in a test);
 * ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
   ``moerl``): receive whole, check against the served checkpoint's layout, apply
   with vLLM's layerwise reload, roll back on failure;
