@@ -223,13 +223,13 @@ def _synthetic(nbytes: int) -> dict[str, torch.Tensor]:
 
 
 def _sharded_rank(rank: int, world: int, nbytes: int, lane: str, rounds: int, q) -> None:
-    from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard
+    from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
     from vllm_ext.weights.sharded import ShardedSender
 
     torch.set_num_threads(1)
     w = _synthetic(nbytes)
     shapes = {n: tuple(t.shape) for n, t in w.items()}
-    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, world)) if b] for n, s in shapes.items()}
+    owned = fsdp_owned(shapes, world)
     pieces = [p for p in reshard(list(shapes), owned, replica_needs(shapes, 1)) if p.sender == rank]
     s = ShardedSender(rank, 1, timeout_s=600, bucket_bytes=64 << 20, shm=RingShape() if lane == "shm" else None,
                       te=lane == "te")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from safetensors.torch import load_file  # noqa: E402
 
 from vllm_ext.weights.format import dtype_name  # noqa: E402
-from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard  # noqa: E402
+from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard  # noqa: E402
 from vllm_ext.weights.shm import RingShape, RingWriter  # noqa: E402
 from vllm_ext.weights.sharded import ShardedSender  # noqa: E402
 
@@ -50,7 +50,7 @@ def update(rank: int, world: int, tps: list[int], bucket_bytes: int, ckpt: str, 
            fault: str) -> None:
     w = weights(ckpt)
     shapes = {n: tuple(t.shape) for n, t in w.items()}
-    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, world)) if b] for n, s in shapes.items()}
+    owned = fsdp_owned(shapes, world)
     needs = [n for tp in tps for n in replica_needs(shapes, tp)]
     pieces = [p for p in reshard(list(shapes), owned, needs) if p.sender == rank]
     sender = ShardedSender(rank, len(needs), timeout_s=60, bucket_bytes=bucket_bytes,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
-from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard
+from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
 from vllm_ext.weights.shm import PREFIX, SHM_DIR, RingShape
 from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
 
@@ -106,7 +106,7 @@ def _update(version: int, where: str, r0) -> tuple[list[str], float, str | dict]
     death to the last rank's error, and what r0 reported."""
     w = weights(version)
     shapes = {n: tuple(t.shape) for n, t in w.items()}
-    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
+    owned = fsdp_owned(shapes, RANKS)
     pieces = reshard(list(shapes), owned, [replica_needs(shapes, 1)[0]] * 2)
     senders = [ShardedSender(r, 2, timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S, bucket_bytes=2048,
                              shm=RingShape(2, 4096), names=NAMES) for r in range(RANKS)]

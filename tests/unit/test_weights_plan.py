@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ext.weights.plan import (Piece, TpRules, box_numel, check_cover, fsdp_boxes, replica_needs, reshard,
-                                   vllm_tp_box)
+from vllm_ext.weights.plan import (Piece, TpRules, box_numel, check_cover, fsdp_boxes, fsdp_owned, replica_needs,
+                                   reshard, vllm_tp_box)
 
 SHAPES = {
     "model.embed_tokens.weight": (512, 128),
@@ -16,10 +16,6 @@ SHAPES = {
     "model.layers.0.input_layernorm.weight": (128,),
     "lm_head.weight": (500, 128),
 }
-
-
-def owned_fsdp(world: int) -> dict:
-    return {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, world)) if b is not None] for n, s in SHAPES.items()}
 
 
 def test_fsdp_boxes_follow_torch_chunk():
@@ -44,7 +40,7 @@ def test_tp_boxes_match_vllm_sharding():
 @pytest.mark.parametrize("world,tps", [(1, [1]), (2, [1, 2]), (4, [2, 1, 2])])
 def test_plan_tiles_every_receiver_from_owners_only(world, tps):
     needs = [n for tp in tps for n in replica_needs(SHAPES, tp)]
-    owned = owned_fsdp(world)
+    owned = fsdp_owned(SHAPES, world)
     pieces = reshard(list(SHAPES), owned, needs)
     for recv, need in enumerate(needs):
         assert check_cover([p for p in pieces if p.receiver == recv], need) is None

@@ -17,7 +17,7 @@ import torch
 
 from vllm_ext.weights import peak_rss
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
-from vllm_ext.weights.plan import fsdp_boxes, replica_needs, reshard
+from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
 from vllm_ext.weights.shm import RingShape
 from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
 
@@ -35,7 +35,7 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
     w = weights()
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     needs_all = replica_needs(shapes, 2)
-    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
+    owned = fsdp_owned(shapes, RANKS)
     pieces = reshard(list(shapes), owned, [needs_all[tp_rank]])
     senders = [ShardedSender(r, 1, timeout_s=30, bucket_bytes=bucket_bytes, shm=shm, te=te) for r in range(RANKS)]
     infos = [s.update_infos(5)[0] for s in senders]
@@ -132,7 +132,7 @@ def test_worker_memory_during_an_update_stays_within_its_buckets_not_the_update(
     w = big_weights()
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     need = replica_needs(shapes, 1)[0]
-    owned = {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, RANKS)) if b] for n, s in shapes.items()}
+    owned = fsdp_owned(shapes, RANKS)
     pieces = reshard(list(shapes), owned, [need])
     ring = RingShape(2, MiB)
     senders = [ShardedSender(r, 1, timeout_s=60, bucket_bytes=MiB, shm=ring) for r in range(RANKS)]

@@ -57,6 +57,12 @@ def fsdp_boxes(shape: Sequence[int], world: int) -> list[Box | None]:
     return out
 
 
+def fsdp_owned(shapes: Mapping[str, Sequence[int]], world: int) -> dict[str, list[tuple[int, Box]]]:
+    """``reshard``'s ``owned`` for a model sharded by FSDP2 ``Shard(0)`` over ``world`` ranks:
+    per tensor, (rank, box) for every rank that holds part of it."""
+    return {n: [(r, b) for r, b in enumerate(fsdp_boxes(s, world)) if b is not None] for n, s in shapes.items()}
+
+
 @dataclass(frozen=True)
 class TpRules:
     """How vLLM shards HF tensors over tensor-parallel ranks, by name (Qwen3-MoE and
