@@ -213,13 +213,13 @@ class ShardedPublisher:
         """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join; a replica the
         orchestrator writes off (rl_loop.weight_lane) costs only its own lanes."""
         from rl_loop.weight_lane import sync_dir, written_off
-        from titan_ext.weights import read_owned
+        from titan_ext.weights import OwnedReader
 
         infos = self.sender.update_infos(version)
         write_atomic(sync_dir(run_dir, version) / f"rank{self.rank}.json", lambda t: t.write_text(json.dumps(infos)))
-        state = self.model.state_dict()
+        read = OwnedReader(self.model.state_dict(), self.wire_dtype)
         t0 = time.perf_counter()
-        nbytes = self.sender.send(self.pieces, lambda p: read_owned(state, self.slices[p.name], p.box, self.wire_dtype),
+        nbytes = self.sender.send(self.pieces, lambda p: read(self.slices[p.name], p.box),
                                   self.dtypes, self.shapes, version,
                                   gone=lambda k: written_off(run_dir, version, self.replica_of[k]))
         return {"bytes": nbytes, "send_s": time.perf_counter() - t0, "lanes": sorted(set(self.sender.lanes.values()))}

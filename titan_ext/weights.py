@@ -33,7 +33,7 @@ import torch
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, quantize, scale_shape
 
 __all__ = ["layer_groups", "hf_metadata", "iter_hf_state", "iter_hf_weights", "drain", "adapter_for", "OwnedSlice",
-           "owned_hf_slices", "read_owned"]
+           "owned_hf_slices", "OwnedReader"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -232,14 +232,27 @@ def owned_hf_slices(model: torch.nn.Module, *, adapter=None) -> list[OwnedSlice]
     return out
 
 
-@torch.no_grad()
-def read_owned(model_state: Mapping[str, torch.Tensor], s: OwnedSlice, box: Box,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sub-box ``box`` (global coordinates, inside ``s.box``) of an owned slice, as a
-    contiguous CPU tensor in ``dtype``: only that piece is copied."""
-    local, lbox = _local_box(model_state[s.source].detach())
-    if s.expert is not None:
-        local, lbox = local[s.expert - lbox[0][0]], lbox[1:]
-    idx = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(box, lbox))
-    piece = local[idx] if idx else local
-    return piece.to(device="cpu", dtype=_wire_dtype(piece, dtype)).contiguous()
+class OwnedReader:
+    """Reads sub-boxes of this rank's owned slices for one update.
+
+    Each titan tensor's local shard and box is found once, on first use: DTensor's
+    offset computation costs about as much as copying a small piece, and doing it per
+    piece made it most of a sharded send's time. Make one per update (FSDP2 may hand
+    out other local tensors after a step)."""
+
+    def __init__(self, model_state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
+        self.state, self.dtype = model_state, dtype
+        self.local: dict[str, tuple[torch.Tensor, Box]] = {}
+
+    @torch.no_grad()
+    def __call__(self, s: OwnedSlice, box: Box) -> torch.Tensor:
+        """Sub-box ``box`` (global coordinates, inside ``s.box``) of ``s``, as a contiguous
+        CPU tensor in the reader's dtype: only that piece is copied."""
+        if (found := self.local.get(s.source)) is None:
+            found = self.local[s.source] = _local_box(self.state[s.source].detach())
+        local, lbox = found
+        if s.expert is not None:
+            local, lbox = local[s.expert - lbox[0][0]], lbox[1:]
+        idx = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(box, lbox))
+        piece = local[idx] if idx else local
+        return piece.to(device="cpu", dtype=_wire_dtype(piece, self.dtype)).contiguous()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from titan_ext.weights import hf_metadata, iter_hf_weights, layer_groups, owned_hf_slices, read_owned
+from titan_ext.weights import OwnedReader, hf_metadata, iter_hf_weights, layer_groups, owned_hf_slices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_export_equals_checkpoint(tiny_checkpoint, arch, dtype):
     owned = owned_hf_slices(model)
     assert [s.name for s in owned] == [k for k, _ in items]
     for s in owned:
-        assert s.box == tuple((0, n) for n in s.shape) and torch.equal(read_owned(state, s, s.box, wire), got[s.name])
+        assert s.box == tuple((0, n) for n in s.shape) and torch.equal(OwnedReader(state, wire)(s, s.box), got[s.name])
 
 
 WORKER = textwrap.dedent('''
@@ -85,14 +85,15 @@ WORKER = textwrap.dedent('''
     # sharded export: this rank's boxes read from its own shard equal the checkpoint's, and
     # the plan over both ranks' boxes tiles every tensor exactly (buffers, which FSDP2 leaves
     # whole on every rank, are sent by one of them; nothing gathered)
-    from titan_ext.weights import owned_hf_slices, read_owned
+    from titan_ext.weights import OwnedReader, owned_hf_slices
     from vllm_ext.weights.plan import check_cover, reshard
     ref = load_file(sys.argv[2] + "/model.safetensors")
     state = model.state_dict()
     mine = owned_hf_slices(model)
+    read = OwnedReader(state, torch.bfloat16)
     for s in mine:
         want = ref[s.name][tuple(slice(a, b) for a, b in s.box)]
-        assert torch.equal(read_owned(state, s, s.box, torch.bfloat16), want), s
+        assert torch.equal(read(s, s.box), want), s
     boxes = [None, None]
     dist.all_gather_object(boxes, [(s.name, s.box) for s in mine])
     if rank == 0:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from vllm_ext.weights import peak_rss
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
 from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
-from vllm_ext.weights.shm import RingShape
+from vllm_ext.weights.shm import RingShape, RingWriter
 from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
 
 RANKS = 2
@@ -31,7 +32,23 @@ def weights() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
 
 
-def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape=None, bucket_bytes=2048):
+@dataclass
+class Run:
+    w: dict
+    need: dict
+    got: dict
+    err: str | None
+    send_errors: list
+    senders: list
+    reads: int  # pieces read by the senders, all passes
+    pieces: int  # pieces in the plan
+    passes: int | None  # as the receiver took the update
+
+
+def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape=None, bucket_bytes=2048,
+        budget=4096) -> Run:
+    """Both ranks' senders into TP rank ``tp_rank``'s receiver. The whole update is 16.4 KiB:
+    the default budget takes it in two passes, a budget of 64 KiB in one."""
     w = weights()
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     needs_all = replica_needs(shapes, 2)
@@ -41,12 +58,15 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
     infos = [s.update_infos(5)[0] for s in senders]
     expected = {n: TensorMeta(n, "bfloat16", expected_shape if expected_shape and n.endswith("o_proj.weight") else s)
                 for n, s in shapes.items()}
-    errors, got = [], {}
+    errors, got, reads = [], {}, []
+
+    def read(p):
+        reads.append(p)
+        return w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous()
 
     def send(r):
         try:
-            senders[r].send([p for p in pieces if p.sender == r],
-                            lambda p: w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous(),
+            senders[r].send([p for p in pieces if p.sender == r], read,
                             {n: dtype_name(t.dtype) for n, t in w.items()}, shapes, 5)
         except WeightUpdateError as exc:
             errors.append(str(exc))
@@ -57,7 +77,7 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
     receiver = ShardedReceiver()
     try:
         receiver.receive(infos, needs_all[tp_rank], expected, lambda it: got.update((k, v.clone()) for k, v in it),
-                         version=5, budget=4096)
+                         version=5, budget=budget)
         err = None
     except WeightUpdateError as exc:
         err = str(exc)
@@ -67,27 +87,55 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
         receiver.close()
         for s in senders:
             s.close()
-    return w, needs_all[tp_rank], got, err, errors, senders
+    return Run(w, needs_all[tp_rank], got, err, errors, senders, len(reads), len(pieces),
+               receiver.last.get("passes"))
 
 
 @pytest.mark.parametrize("lane", ["shm", "net", "te"])
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_worker_gets_exactly_its_boxes_from_both_ranks(tp_rank, lane):
-    w, need, got, err, send_errors, senders = run(tp_rank, shm=RingShape(2, 4096) if lane == "shm" else None,
-                                                  te=lane == "te")
-    assert err is None and not send_errors
-    assert all(s.lanes == {0: lane} for s in senders)
-    assert sorted(got) == sorted(w)
-    for n, t in got.items():
-        idx = tuple(slice(a, b) for a, b in need[n])
-        assert t.shape == w[n].shape and torch.equal(t[idx], w[n][idx]), n
+    r = run(tp_rank, shm=RingShape(2, 4096) if lane == "shm" else None, te=lane == "te")
+    assert r.err is None and not r.send_errors
+    assert all(s.lanes == {0: lane} for s in r.senders)
+    assert (r.passes, r.reads) == (2, 2 * r.pieces), "over its budget: verified in one pass, applied from a second"
+    assert sorted(r.got) == sorted(r.w)
+    for n, t in r.got.items():
+        idx = tuple(slice(a, b) for a, b in r.need[n])
+        assert t.shape == r.w[n].shape and torch.equal(t[idx], r.w[n][idx]), n
 
 
-def test_shape_mismatch_is_refused_in_the_verify_pass_and_nothing_applied():
-    _, _, got, err, send_errors, _ = run(0, shm=RingShape(2, 4096), expected_shape=(64, 32))
-    assert err and "mismatched: model.layers.0.self_attn.o_proj.weight: update [32, 64], model [64, 32]" in err
-    assert got == {}, "nothing reaches the model"
-    assert send_errors and all("refused" in e for e in send_errors)
+@pytest.mark.parametrize("lane", ["shm", "net"])
+def test_an_update_within_the_budget_takes_one_pass(lane):
+    r = run(1, shm=RingShape(2, 4096) if lane == "shm" else None, budget=64 << 10)
+    assert r.err is None and not r.send_errors
+    assert (r.passes, r.reads) == (1, r.pieces), "each piece read and sent once"
+    assert sorted(r.got) == sorted(r.w)
+    for n, t in r.got.items():
+        idx = tuple(slice(a, b) for a, b in r.need[n])
+        assert torch.equal(t[idx], r.w[n][idx]), n
+
+
+@pytest.mark.parametrize("budget", [4096, 64 << 10], ids=["two passes", "one pass"])
+def test_shape_mismatch_is_refused_in_the_verify_pass_and_nothing_applied(budget):
+    r = run(0, shm=RingShape(2, 4096), expected_shape=(64, 32), budget=budget)
+    assert r.err and "mismatched: model.layers.0.self_attn.o_proj.weight: update [32, 64], model [64, 32]" in r.err
+    assert r.got == {}, "nothing reaches the model"
+    assert r.send_errors and all("refused" in e for e in r.send_errors)
+
+
+@pytest.mark.parametrize("budget", [4096, 64 << 10], ids=["two passes", "one pass"])
+def test_a_piece_changed_after_hashing_is_refused_and_nothing_applied(budget, monkeypatch):
+    publish = RingWriter._publish
+
+    def corrupt_first(self, n, digest):  # a byte flipped in the ring after the sender hashed the piece
+        if self.seq == 0:
+            self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
+        publish(self, n, digest)
+
+    monkeypatch.setattr(RingWriter, "_publish", corrupt_first)
+    r = run(0, shm=RingShape(2, 4096), budget=budget)
+    assert r.err and "checksum mismatch in piece 0" in r.err
+    assert r.got == {}, "nothing reaches the model"
 
 
 MiB = 1 << 20

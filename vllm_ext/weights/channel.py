@@ -8,8 +8,9 @@ than its bytes. So each update starts with a handshake through the store (a
 few 50 us round trips) instead of new groups:
 
 1. the sender puts the manifest under ``{session}/manifest``;
-2. every receiver puts ``{"gen": generation of the groups it holds or -1, "lane": ...}``
-   under ``{session}/r{rank}`` and reads ``{session}/gen``;
+2. every receiver puts ``{"gen": generation of the groups it holds or -1, "lane": ..., "ask": {...}}``
+   under ``{session}/r{rank}`` and reads ``{session}/gen`` (``ask``: what the receiver wants
+   the sender to know for this update, e.g. that it takes a sharded update in one pass);
 3. the sender reads every report, keeps its groups if every receiver holds
    the same generation, else builds the next generation (a receiver restarted,
    a side dropped its groups after a failure, or this is the first update), and
@@ -34,9 +35,13 @@ from datetime import timedelta
 
 from .format import ReceiverLost
 
-__all__ = ["Groups", "SenderChannel", "ReceiverChannel"]
+__all__ = ["Groups", "SenderChannel", "ReceiverChannel", "CONNECT_TIMEOUT_S"]
 
 _POLL_MAX_S = 0.02  # the longest sleep between two looks for a receiver's report
+# A sender's store listens before its join info is handed out, so a receiver that cannot connect
+# within this long will not (the sender died, or its host is unreachable), instead of retrying
+# for the whole operation timeout.
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -92,6 +97,7 @@ class SenderChannel(_Channel):
         super().__init__(store, 0, world_size, timeout_s)
         self.port = store.port
         self._gen = 0
+        self.asks: list[dict] = []  # per rank, what its receiver asked for in the last handshake
 
     def open(self, session: str, manifest: bytes, gone: Callable[[], str | None] | None = None,
              join_timeout_s: float | None = None) -> list[int]:
@@ -106,6 +112,7 @@ class SenderChannel(_Channel):
         if rebuild:
             self._gen += 1
         lanes = [0] + [int(rep["lane"]) for rep in reports]
+        self.asks = [{}] + [rep.get("ask") or {} for rep in reports]
         self.store.set(f"{session}/gen", json.dumps({"gen": self._gen, "lanes": lanes}))
         if rebuild:
             self._build(self._gen)
@@ -136,13 +143,15 @@ class ReceiverChannel(_Channel):
     def __init__(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float):
         import torch.distributed as dist
 
-        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(addr, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S)))
+        store.set_timeout(timedelta(seconds=timeout_s))
         super().__init__(store, rank, world_size, timeout_s)
 
-    def open(self, session: str, lane: int) -> tuple[list[int], bytes]:
+    def open(self, session: str, lane: int, ask: dict | None = None) -> tuple[list[int], bytes]:
         """The update's handshake (receiver side): (every rank's lane, manifest bytes)."""
         held = self.groups.gen if self.groups is not None else -1
-        self.store.set(f"{session}/r{self.rank}", json.dumps({"gen": held, "lane": lane}))
+        self.store.set(f"{session}/r{self.rank}", json.dumps({"gen": held, "lane": lane, "ask": ask or {}}))
         got = json.loads(self.store.get(f"{session}/gen"))
         if got["gen"] != held:
             self._build(got["gen"])

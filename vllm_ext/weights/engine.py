@@ -23,6 +23,7 @@ this process (the KV pool's key namespace), before the replica resumes.
 ``sharded`` (``sharded.py``) is the bounded one: each TP worker receives only its
 boxes, from every trainer rank at once, verifies them all in a first pass, then
 applies them tensor by tensor in a second; no staging of the version, no snapshot.
+A worker whose whole share fits in its assembly budget keeps the first pass instead.
 The worker logs its peak extra resident memory during the update (``peak extra``).
 """
 
@@ -204,8 +205,9 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         extra = peak_rss.peak() - rss0
         dt = time.perf_counter() - t0
         self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
-        logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %.1f MB, %.3fs, "
-                    "peak extra %d bytes)", info.version, rank, tp, len(info.workers[rank]), nbytes / 1e6, dt, extra)
+        logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %d pass(es), %.1f MB, "
+                    "%.3fs, peak extra %d bytes)", info.version, rank, tp, len(info.workers[rank]),
+                    self.sharded.last["passes"], nbytes / 1e6, dt, extra)
 
     @torch.no_grad()
     def _load(self, items) -> None:

@@ -18,6 +18,12 @@ on the receiver:
    pass 1 before a byte of it is used, assembled into this worker's tensors and
    handed to vLLM's layerwise reload as each tensor completes.
 
+A worker whose whole update fits in its assembly budget (``one_pass``: a small model,
+or a model spread over many workers) asks its senders in the handshake for pass 1
+only: it assembles each piece as it comes, checks everything at the pass's close as
+above, and only then applies; the same guarantees for half the sending, reading and
+hashing.
+
 So a sender killed, a corrupted unit or a mismatched shape in pass 1 leaves the
 old weights serving untouched, without a copy of them; the cost is moving the
 bytes twice. A failure during pass 2 (the sender dying between its passes) leaves
@@ -34,6 +40,7 @@ hangs is bounded by ``timeout_s`` per operation.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -47,7 +54,7 @@ from .plan import Box, Piece, box_numel, check_cover, intersect
 from .shm import RingShape
 from .stream import StreamReceiver, StreamSender
 
-__all__ = ["ShardedSender", "ShardedReceiver", "VERIFY", "APPLY"]
+__all__ = ["ShardedSender", "ShardedReceiver", "VERIFY", "APPLY", "one_pass"]
 
 logger = logging.getLogger("vllm_ext.weights")
 
@@ -104,7 +111,9 @@ class ShardedSender:
         failed), or None; polled throughout. A lost receiver's lane that has not ended
         ``LOST_GRACE_S`` later (blocked in a gloo or store operation with a dead or silent
         peer) is dropped, and the receiver gets a fresh ``StreamSender`` for the next update.
-        Then one ``WeightUpdateError`` names each receiver that failed and its pass."""
+        Then one ``WeightUpdateError`` names each receiver that failed and its pass. A
+        receiver that asks for one pass (its whole update fits its budget) gets no second.
+        Returns the bytes sent to all receivers in one pass."""
         per = [[p for p in pieces if p.receiver == r] for r in range(len(self.senders))]
         errors: dict[int, tuple[str, BaseException]] = {}
         sent = [0] * len(self.senders)
@@ -120,8 +129,10 @@ class ShardedSender:
             try:
                 for phase in (VERIFY, APPLY):
                     phases[r] = phase
-                    sent[r] += s.send(metas, (read(p) for p in mine), version, session=f"{base}/{phase}",
-                                      extra=extra, gone=None if gone is None else lambda: gone(r))
+                    sent[r] = s.send(metas, (read(p) for p in mine), version, session=f"{base}/{phase}",
+                                     extra=extra, gone=None if gone is None else lambda: gone(r))
+                    if s.asks.get(1, {}).get("passes") == 1:  # it kept the first pass (ShardedReceiver)
+                        break
             except BaseException as exc:  # noqa: BLE001 - reported below, per receiver
                 with lock:
                     errors.setdefault(r, (phases[r], exc))
@@ -151,7 +162,7 @@ class ShardedSender:
             raise WeightUpdateError(f"v{version} from trainer rank {self.rank}: " + "; ".join(
                 f"{self.names[r]} failed in the {phase} pass: {type(e).__name__}: {e}"
                 for r, (phase, e) in sorted(errors.items())))
-        return sum(sent) // 2
+        return sum(sent)
 
     def _drop(self, r: int, thread: threading.Thread, dropped: set[int], lock: threading.Lock,
               errors: dict, error: tuple[str, BaseException]) -> None:
@@ -182,35 +193,39 @@ class _Assembler:
     vLLM's weight loaders expect) out, as each completes; ``budget`` bytes of tensors
     in progress at most: a lane that runs ahead waits, except for a tensor earlier in
     the plan's order (``order``) than every one in progress, since every lane sends in
-    that order and the earliest unfinished tensor must always be able to finish."""
+    that order and the earliest unfinished tensor must always be able to finish.
+    ``out``: how many finished tensors may wait for the loader (0: any number)."""
 
-    def __init__(self, needs: Mapping[str, Box], dtypes: Mapping[str, torch.dtype], order: Mapping[str, int],
-                 budget: int):
+    def __init__(self, needs: Mapping[str, Box], dtypes: Mapping[str, str], order: Mapping[str, int],
+                 budget: int, out: int = 2):
         self.needs, self.dtypes, self.order, self.budget = needs, dtypes, order, budget
         self.pending: dict[str, _Pending] = {}
         self.held = 0
+        self.received = 0
         self.failed = False
         self.cond = threading.Condition()
-        self.out: queue.Queue = queue.Queue(maxsize=2)
+        self.out: queue.Queue = queue.Queue(maxsize=out)
 
     def add(self, name: str, box: Box, shape: Sequence[int], t: torch.Tensor) -> str | None:
         """Copy one piece in; why not, once another lane failed."""
         with self.cond:
             entry = self.pending.get(name)
             if entry is None:
-                nbytes = box_numel(tuple((0, s) for s in shape)) * t.element_size()
+                dtype = dtype_of(self.dtypes[name])
+                nbytes = box_numel(tuple((0, s) for s in shape)) * dtype.itemsize
                 self.cond.wait_for(lambda: self.failed or self.held + nbytes <= self.budget or name in self.pending
                                    or all(self.order[name] < self.order[k] for k in self.pending))
                 if self.failed:
                     return "another lane of this update failed"
                 entry = self.pending.get(name)
                 if entry is None:
-                    entry = self.pending[name] = _Pending(torch.empty(tuple(shape), dtype=self.dtypes[name]),
+                    entry = self.pending[name] = _Pending(torch.empty(tuple(shape), dtype=dtype),
                                                          box_numel(self.needs[name]))
                     self.held += nbytes
         entry.buf[tuple(slice(a, b) for a, b in box)].copy_(t)
         with self.cond:
             entry.left -= box_numel(box)
+            self.received += t.numel() * t.element_size()
             done = entry.left == 0
             if done:
                 del self.pending[name]
@@ -227,6 +242,35 @@ class _Assembler:
         with self.cond:
             self.held -= t.numel() * t.element_size()
             self.cond.notify_all()
+
+
+def _feed(asm: _Assembler, manifests: Mapping[int, dict], i: int) -> Callable[[int, list], str | None]:
+    """``on_unit`` for sender i's units: each piece into its tensor, where sender i's manifest
+    (checked, and in ``manifests``, before its first unit arrives) says."""
+    plan: list = []
+
+    def on_unit(u: int, views) -> str | None:
+        if not plan:
+            man = manifests[i]
+            metas = [TensorMeta.from_json(m) for m in man["tensors"]]
+            plan.extend([[tuple(tuple(b) for b in box) for box in man["sharded"]["boxes"]], man["sharded"]["shapes"],
+                         metas, _unit_index(metas, man)])
+        boxes, shapes, metas, index = plan
+        for k, (_, t) in zip(index[u], views):
+            if why := asm.add(metas[k].name, boxes[k], shapes[metas[k].name], t):
+                return why
+        return None
+
+    return on_unit
+
+
+def one_pass(needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None, budget: int) -> bool:
+    """Whether a worker's whole update, as the full-shape tensors it assembles, fits in
+    ``budget``: then it keeps what the first pass brings (verified at its close, applied
+    after) and asks for no second one, which would move, read and hash every byte again."""
+    if not expected or any(n not in expected for n in needs):
+        return False
+    return sum(math.prod(expected[n].shape) * dtype_of(expected[n].dtype).itemsize for n in needs) <= budget
 
 
 class ShardedReceiver:
@@ -246,11 +290,19 @@ class ShardedReceiver:
         name -> the box this worker loads. ``apply`` consumes the (name, tensor) iterator
         (vLLM's ``load_weights``). ``agree(ok)`` tells the replica's other workers whether
         this one verified everything and returns whether all did: no worker of a replica
-        applies unless every one can (the swap is all or nothing per replica). Returns the
-        bytes received per pass."""
+        applies unless every one can (the swap is all or nothing per replica). ``budget``:
+        the bytes of tensors this worker holds while assembling them; when its whole update
+        fits (``one_pass``), it keeps the first pass instead of asking for a second. Returns
+        the bytes received per pass."""
         manifests: dict[int, dict] = {}
         digests: dict[int, list[int]] = {}
         errors: dict[int, str] = {}
+        one = one_pass(needs, expected, budget)
+        dtypes = {m.name: m.dtype for m in (expected or {}).values()}
+        order: dict[str, int] = {}
+        lock = threading.Lock()
+        # one pass: every tensor assembled during it, no waiting (it all fits), applied after it
+        asm = _Assembler(needs, dtypes, order, budget, out=0) if one else None
 
         def check(i: int, manifest: dict) -> str | None:
             sh = manifest.get("sharded")
@@ -270,6 +322,10 @@ class ShardedReceiver:
                     return f"{m.name}: update dtype {m.dtype}, model {want.dtype}"
                 if _shape(box) != m.shape or intersect(box, needs[m.name]) != box:
                     return f"{m.name}: piece {box} is not inside this worker's box {list(needs[m.name])}"
+            with lock:
+                for m in metas:
+                    dtypes.setdefault(m.name, m.dtype)
+                order.update(sh["order"])
             manifests[i] = manifest
             return None
 
@@ -277,7 +333,8 @@ class ShardedReceiver:
             try:
                 _, _, got = self._receiver(i).receive(**dict(info, session=f"{info['session']}/{VERIFY}",
                                                              version=version),
-                                                      on_unit=lambda u, views: None, check=lambda m: check(i, m))
+                                                      on_unit=_feed(asm, manifests, i) if one else lambda u, v: None,
+                                                      check=lambda m: check(i, m), ask={"passes": 1} if one else None)
                 digests[i] = got
             except Exception as exc:  # noqa: BLE001 - reported as the update's error
                 errors[i] = str(exc)
@@ -293,30 +350,21 @@ class ShardedReceiver:
                 failure = f"the senders' pieces do not make up this worker's weights: {failure}"
         if not agree(not failure) and not failure:
             failure = "another worker of this replica refused the update"
-        dtypes = {m.name: m.dtype for m in (expected or {}).values()}
-        for man in manifests.values():
-            for m in man["tensors"]:
-                dtypes.setdefault(m[0], m[1])
-        order = {n: i for man in manifests.values() for n, i in man["sharded"]["order"].items()}
-        asm = _Assembler(needs, {k: dtype_of(v) for k, v in dtypes.items()}, order, budget)
-        total = [0]
+        if one:
+            if failure:
+                raise WeightUpdateError(failure)
+            asm.out.put(None)
+            apply(iter(asm.out.get_nowait, None))
+            self.last = {"bytes": asm.received, "senders": len(infos), "passes": 1}
+            return asm.received
+        asm = _Assembler(needs, dtypes, order, budget)
 
         def second(i: int, info: dict) -> None:
             """Pass 2 from sender i: drained when the update is already refused."""
-            man = manifests[i]
-            boxes = [tuple(tuple(b) for b in box) for box in man["sharded"]["boxes"]]
-            shapes = man["sharded"]["shapes"]
-            metas = [TensorMeta.from_json(m) for m in man["tensors"]]
-            index = _unit_index(metas, man)
+            feed = _feed(asm, manifests, i)
 
             def on_unit(u: int, views) -> str | None:
-                if failure:
-                    return "draining: the update was refused in its verify pass"
-                for k, (_, t) in zip(index[u], views):
-                    if why := asm.add(metas[k].name, boxes[k], shapes[metas[k].name], t):
-                        return why
-                    total[0] += t.numel() * t.element_size()
-                return None
+                return "draining: the update was refused in its verify pass" if failure else feed(u, views)
 
             try:
                 self._receiver(i).receive(**dict(info, session=f"{info['session']}/{APPLY}", version=version),
@@ -350,8 +398,8 @@ class ShardedReceiver:
                                     "restores them): " + "; ".join(f"from rank {i}: {e}" for i, e in errors.items()))
         if asm.pending:
             raise WeightUpdateError(f"{len(asm.pending)} tensor(s) incomplete after the apply pass")
-        self.last = {"bytes": total[0], "senders": len(infos)}
-        return total[0]
+        self.last = {"bytes": asm.received, "senders": len(infos), "passes": 2}
+        return asm.received
 
     def close(self) -> None:
         for r in self.receivers.values():

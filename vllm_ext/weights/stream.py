@@ -171,6 +171,7 @@ class StreamSender:
             except OSError as exc:
                 logger.warning("moerl weights: no shared-memory lane (%s); every receiver takes the network path", exc)
         self.lanes: dict[int, str] = {}  # receiver rank -> lane it chose, for the last update
+        self.asks: dict[int, dict] = {}  # receiver rank -> what it asked for (channel.py), for the last update
         self.te = TeSource(host=addr) if te else None  # Mooncake TE slots (te.py), offered when shm is not taken
 
     def update_info(self, rank: int, version: int) -> dict:
@@ -216,6 +217,7 @@ class StreamSender:
         votes = self.channel.open(session, manifest, gone, self.join_timeout_s)
         groups = self.channel.groups
         self.lanes = {r: LANES[v] for r, v in enumerate(votes) if r}
+        self.asks = dict(enumerate(self.channel.asks))
         net = [r for r in range(1, self.world_size) if votes[r] == LANE_NET]
         readers = [r - 1 for r in range(1, self.world_size) if votes[r] == LANE_SHM]
         # posted now, completed by the receivers at their end: the ring's failure detector;
@@ -350,7 +352,7 @@ class StreamReceiver:
         session: str | None = None, sender: str | None = None, shm: dict | None = None,
         version: int | None = None, expected: dict[str, TensorMeta] | None = None,
         on_unit: Callable | None = None, check: Callable[[dict], str | None] | None = None,
-        expect: list[int] | None = None, te: dict | None = None, **_ignored,
+        expect: list[int] | None = None, te: dict | None = None, ask: dict | None = None, **_ignored,
     ) -> tuple[int, list[tuple[str, torch.Tensor]]] | tuple[int, dict, list[int]]:
         """One update: (version, [(name, tensor)] in manifest order).
 
@@ -364,7 +366,8 @@ class StreamReceiver:
         passed to ``on_unit(u, [(meta, tensor view)])``, which copies what it needs and
         returns None or why the update must be refused (later units are then drained).
         ``check(manifest)`` replaces the ``expected`` check. Returns (version, manifest,
-        unit digests); the digests were compared with the sender's."""
+        unit digests); the digests were compared with the sender's. ``ask`` reaches the
+        sender in the handshake (``StreamSender.asks``)."""
         streaming = on_unit is not None
         port, rank, world_size = int(port), int(rank), int(world_size)
         ring = self._lane(shm, rank - 1)
@@ -375,13 +378,15 @@ class StreamReceiver:
             try:
                 self.channel = ReceiverChannel(addr, port, rank, world_size, float(timeout_s))
             except Exception as exc:
-                raise WeightUpdateError(f"stream: cannot reach the sender at {addr}:{port}: {exc}") from exc
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # c10d appends its C++ stack
+                raise WeightUpdateError(f"stream: cannot reach the sender at {addr}:{port} (it stopped, or its host "
+                                        f"is unreachable): {first}") from exc
             self._sender = key
         ch = self.channel
         closed = False
         try:
             votes, manifest_bytes = ch.open(session or str(version),
-                                            LANE_SHM if ring else LANE_TE if te_offer else LANE_NET)
+                                            LANE_SHM if ring else LANE_TE if te_offer else LANE_NET, ask)
             manifest = json.loads(manifest_bytes)
             if manifest.get("format") != FORMAT:
                 raise WeightUpdateError(f"stream: unexpected manifest format {manifest.get('format')!r}")
