@@ -46,6 +46,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -335,39 +336,50 @@ def sharded_section(mb: int) -> dict:
     return out
 
 
-def rl_sync_section(tmp: Path, steps: int = 4, port: int = 18631) -> dict:
-    """`moerl rl` (tiny Kimi-K2, 2 trainer ranks, 2 replicas) once per lane, same config:
-    per step the trainer's publish seconds (fs: gather + write) plus the orchestrator's sync
-    seconds (replicas pause, receive, apply, resume), medians over the steps that publish
-    no checkpoint (the last step also writes fs weights for --resume)."""
+def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dict:
+    """One `moerl rl` run on `lane`: per step the trainer's publish seconds (fs: gather + write)
+    and the orchestrator's sync seconds (replicas pause, receive, apply, resume)."""
     import subprocess
 
-    out: dict = {"config": "configs/tiny_kimi_k2.toml", "steps": steps, "trainer_ranks": 2, "replicas": 2}
-    for lane in ("fs", "shm"):
-        run_dir = tmp / f"rl-{lane}"
-        cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs/tiny_kimi_k2.toml"),
-               "--set", f"run_dir={run_dir}", "--set", f"inference.base_port={port}",
-               "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
-               "--set", f"train.steps={steps}", "--set", "train.nproc=2", "--set", "train.checkpoint_interval=100",
-               "--set", f"inference.weight_sync={lane}"]
-        load = os.getloadavg()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        if proc.returncode:
-            raise RuntimeError(f"moerl rl ({lane}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        trainer = {r["step"]: json.loads((run_dir / "trainer" / f"metrics_{r['step']:06d}.json").read_text())
-                   for r in recs}
-        rows = [{"step": r["step"], "publish_s": trainer[r["step"]]["publish_s"], "sync_s": r["sync_s"],
-                 "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"]} for r in recs]
-        steady = [x for x in rows if x["step"] < steps]
-        out[lane] = {"command": " ".join(cmd), "per_step": rows,
-                     "median_sync_s": statistics.median(x["sync_s"] for x in steady),
-                     "median_total_s": statistics.median(x["total_s"] for x in steady),
-                     "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
-                     "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
-                                            if "weight sync lane" in line), None)}
-    out["fs_over_shm"] = out["fs"]["median_total_s"] / out["shm"]["median_total_s"]
-    out["fs_over_shm_sync"] = out["fs"]["median_sync_s"] / out["shm"]["median_sync_s"]
+    run_dir = tmp / f"rl-{lane}-{nproc}"
+    cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs/tiny_kimi_k2.toml"),
+           "--set", f"run_dir={run_dir}", "--set", f"inference.base_port={port}",
+           "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
+           "--set", f"train.steps={steps}", "--set", f"train.nproc={nproc}", "--set", "train.checkpoint_interval=100",
+           "--set", f"inference.weight_sync={lane}"]
+    load = os.getloadavg()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"moerl rl ({lane}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trainer = {r["step"]: json.loads((run_dir / "trainer" / f"metrics_{r['step']:06d}.json").read_text())
+               for r in recs}
+    rows = [{"step": r["step"], "publish_s": trainer[r["step"]]["publish_s"], "sync_s": r["sync_s"],
+             "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"]} for r in recs]
+    steady = [x for x in rows if x["step"] < steps]
+    applied = re.findall(r"version \d+ applied \((.*)\)$", "".join(
+        p.read_text() for p in sorted((run_dir / "replicas").glob("*.log"))), re.M)
+    return {"command": " ".join(cmd), "per_step": rows,
+            "median_sync_s": statistics.median(x["sync_s"] for x in steady),
+            "median_total_s": statistics.median(x["total_s"] for x in steady),
+            "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
+            "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
+                                 if "weight sync lane" in line), None),
+            "replica_log_last_update": applied[-1] if applied else None}
+
+
+def rl_sync_section(tmp: Path, steps: int = 6, port: int = 18631) -> dict:
+    """`moerl rl` (tiny Kimi-K2, 2 replicas) per lane, same config, the lanes side by side: the main
+    job's trainer (1 process) and a 2-rank FSDP2 trainer (every rank sends its own slices). Medians
+    over the steps that publish no checkpoint (the last step also writes fs weights for --resume);
+    total = the trainer's publish + the orchestrator's sync, what a step waits for."""
+    out: dict = {"config": "configs/tiny_kimi_k2.toml (rollout 2 x 4: sync does not depend on it)",
+                 "steps": steps, "replicas": 2}
+    for nproc in (1, 2):
+        runs = {lane: _rl_lane_run(tmp, lane, nproc, steps, port) for lane in ("fs", "shm")}
+        out[f"trainer_ranks_{nproc}"] = {
+            **runs, "fs_over_shm": runs["fs"]["median_total_s"] / runs["shm"]["median_total_s"],
+            "fs_over_shm_sync": runs["fs"]["median_sync_s"] / runs["shm"]["median_sync_s"]}
     return out
 
 

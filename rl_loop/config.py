@@ -99,8 +99,8 @@ class InferenceConfig:
     weight_sync: Literal["auto", "shm", "net", "te", "fs"] = knob(
         "auto", "how new weights reach the replicas: 'shm' (every trainer rank streams its own slices through "
                 "shared memory, same host), 'net' (the same over gloo/TCP), 'te' (the same pulled with Mooncake "
-                "Transfer Engine: RDMA where the cluster has it), 'fs' (safetensors in the run dir); 'auto' is 'fs', "
-                "which measured faster at the main job's size (rl_loop/weight_lane.py)")
+                "Transfer Engine: RDMA where the cluster has it), 'fs' (safetensors in the run dir); 'auto' is 'shm' for "
+                "managed replicas, else 'fs' (rl_loop/weight_lane.py says why)")
 
     @model_validator(mode="after")
     def _pool_has_replicas(self) -> InferenceConfig:

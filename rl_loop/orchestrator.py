@@ -104,14 +104,16 @@ class Orchestrator:
     def resume_step(self) -> int:
         """The step to continue after: the newest trainer checkpoint whose step was reported and whose
         weights were published (0: start over). Everything newer (checkpoints, batches, weights,
-        trainer metrics) is discarded, so trainer, replicas and logs all restart from that step."""
+        trainer metrics, the sharded lanes' offers: a dead trainer's senders) is discarded, so
+        trainer, replicas and logs all restart from that step."""
         reported = {r["step"] for r in Reporter.read(self.run_dir)}
         ckpt = self.run_dir / "trainer" / "checkpoint"
         steps = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*")) if ckpt.exists() else []
         usable = [n for n in steps if n in reported and (weights_dir(self.run_dir, n) / COMMIT_MARKER).exists()]
         last = usable[-1] if usable else 0
         for path in [*ckpt.glob("step-*"), *(self.run_dir / "batches").glob("step_*.pt"),
-                     *(self.run_dir / "weights").glob("v*"), *(self.run_dir / "trainer").glob("metrics_*.json")]:
+                     *(self.run_dir / "weights").glob("v*"), *(self.run_dir / "trainer").glob("metrics_*.json"),
+                     *(self.run_dir / "sync").glob("v*")]:
             if _step_of(path.name) > last:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         return last
@@ -140,7 +142,7 @@ class Orchestrator:
 
         choice = choose_lane(self.cfg.inference.weight_sync,
                              block_fp8=checkpoint_quantization(str(init)) is not None,
-                             shm_problem=unsupported_reason())
+                             shm_problem=unsupported_reason(), managed=self.cfg.inference.replicas > 0)
         log(f"weight sync lane: {choice.lane} ({choice.why})")
         return choice
 

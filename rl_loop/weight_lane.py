@@ -1,8 +1,9 @@
 """Which lane carries new weights to the replicas in `moerl rl`, and the files both ends meet at.
 
-Lanes (benchmarks/results/weight_sync.json). 'auto' is `fs`: at the main job's size the sharded
-shm lane measured no faster than `fs` (1.27 vs 1.33 s per step, 0.99 vs 0.86 s in an earlier run):
-both replicas' vLLM reloads share one core whatever the lane (README: why); they are there when asked for.
+Lanes (benchmarks/results/weight_sync.json, section moerl_rl_sync). 'auto' is `shm` for managed
+replicas (they run on this host): it measured faster per step than `fs` at the main job's size;
+`fs` where shm cannot work, for external replicas (`inference.endpoints`: the run directory is
+what they are sure to share) and for block-fp8 checkpoints (only `fs` exports those).
   shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
        replica reads them from shared-memory rings: same host only;
   net  the same pieces over gloo (TCP): replicas on other hosts;
@@ -41,12 +42,20 @@ class LaneChoice:
     why: str
 
 
-def choose_lane(requested: str, *, block_fp8: bool, shm_problem: str | None) -> LaneChoice:
+def choose_lane(requested: str, *, block_fp8: bool, shm_problem: str | None, managed: bool = True) -> LaneChoice:
     """The lane for this run: the requested one if it can work here, else one clear error;
-    under 'auto' the filesystem lane (see the module docstring for why)."""
+    under 'auto' the fastest that works (see the module docstring). ``managed``: the
+    replicas are `moerl rl`'s own, on this host."""
     if requested == "auto":
-        return LaneChoice("fs", "auto: the sharded lanes measured slower at the main job's size; "
-                                "set inference.weight_sync = 'shm' or 'net' to use them")
+        if block_fp8:
+            return LaneChoice("fs", "auto: the checkpoint is block-fp8, which only fs carries")
+        if not managed:
+            return LaneChoice("fs", "auto: external replicas (inference.endpoints) share the run directory, not "
+                                    "this host's memory; set inference.weight_sync = 'net' to stream to them")
+        if shm_problem:
+            return LaneChoice("fs", f"auto: no shared-memory lane here ({shm_problem})")
+        return LaneChoice("shm", "auto: managed replicas on this host; measured faster per step than fs "
+                                 "(benchmarks/results/weight_sync.json, moerl_rl_sync)")
     if requested != "fs" and block_fp8:
         raise ValueError(f"inference.weight_sync = '{requested}' streams plain tensors, but the checkpoint is "
                          "block-fp8: use 'fs' (or 'auto')")

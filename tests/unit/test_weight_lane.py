@@ -1,4 +1,5 @@
-"""`moerl rl`'s weight lane choice (rl_loop.weight_lane): the requested lane or one clear error; auto = fs."""
+"""`moerl rl`'s weight lane choice (rl_loop.weight_lane): the requested lane or one clear error; auto = the
+fastest that works (shm for managed replicas, else fs) and why."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ import pytest
 from rl_loop.weight_lane import choose_lane, read_infos, sync_dir
 
 
-@pytest.mark.parametrize("fp8,shm_problem", [(False, None), (True, None), (False, "/dev/shm is not writable")])
-def test_auto_is_the_filesystem_lane_with_the_reason(fp8, shm_problem):
-    got = choose_lane("auto", block_fp8=fp8, shm_problem=shm_problem)
-    assert got.lane == "fs" and "measured slower" in got.why
+def test_auto_is_shm_for_managed_replicas_on_this_host():
+    got = choose_lane("auto", block_fp8=False, shm_problem=None)
+    assert got.lane == "shm" and "measured faster" in got.why
+
+
+@pytest.mark.parametrize("fp8,shm_problem,managed,why", [
+    (True, None, True, "block-fp8"),
+    (False, "/dev/shm is not writable", True, "/dev/shm is not writable"),
+    (False, None, False, "external replicas"),
+])
+def test_auto_falls_back_to_the_filesystem_lane_with_the_reason(fp8, shm_problem, managed, why):
+    got = choose_lane("auto", block_fp8=fp8, shm_problem=shm_problem, managed=managed)
+    assert got.lane == "fs" and why in got.why
 
 
 def test_a_requested_lane_that_can_work_is_taken():
