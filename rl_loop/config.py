@@ -96,6 +96,9 @@ class InferenceConfig:
     kv_pool_rpc_port: Port = knob(18551, "mooncake_master RPC port")
     kv_pool_metrics_port: Port = knob(18552, "mooncake_master metrics port")
     kv_pool_segment_gib: StrictFloat = knob(0.25, "memory each managed replica lends the KV pool (CPU RAM)", gt=0)
+    weight_sync_timeout_s: StrictFloat = knob(
+        300.0, "sharded lanes: a replica whose update has not answered by then is taken out of rotation (a hung "
+               "worker: vLLM's /health stays OK), and the trainer's senders drop its lanes", gt=0)
     weight_sync: Literal["auto", "shm", "net", "te", "fs"] = knob(
         "auto", "how new weights reach the replicas: 'shm' (every trainer rank streams its own slices through "
                 "shared memory, same host), 'net' (the same over gloo/TCP), 'te' (the same pulled with Mooncake "

@@ -282,15 +282,22 @@ class Orchestrator:
             write_off(self.run_dir, version, live[k], f"replica {r.name}: {why}")
 
         try:
-            push_sharded([self.replicas[i].base_url for i in live], workers, version, lost=lost)
+            push_sharded([self.replicas[i].base_url for i in live], workers, version, lost=lost,
+                         answer_within_s=self.cfg.inference.weight_sync_timeout_s)
             for i in live:
                 self.replicas[i].policy_version = version
         except Exception as exc:  # noqa: BLE001 - a failed replica keeps serving its old weights
             self.counters["failed_syncs"] += 1
             log(f"weight sync to v{version} over {self.lane.lane} failed: {exc}")
+            for k in getattr(exc, "hung", []):
+                r = self.replicas[live[k]]
+                r.up = False
+                log(f"replica {r.name}: its update to v{version} did not answer within "
+                    f"{self.cfg.inference.weight_sync_timeout_s:.0f} s: out of rotation")
             for i in live:  # the ones that did update say so
-                with contextlib.suppress(Exception):
-                    self.replicas[i].policy_version = int(ClientReplica(self.replicas[i].base_url).version())
+                if self.replicas[i].up:
+                    with contextlib.suppress(Exception):
+                        self.replicas[i].policy_version = int(ClientReplica(self.replicas[i].base_url).version())
         finally:
             for i in live:
                 self.replicas[i].updating = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,8 +19,10 @@ class FakeReplica:
     barrier every replica's /pause waits at (it breaks, and /pause fails, unless they all
     arrive together)."""
 
-    def __init__(self, meet: threading.Barrier | None = None, fail: dict[str, int] | None = None):
+    def __init__(self, meet: threading.Barrier | None = None, fail: dict[str, int] | None = None,
+                 hang: str | None = None):
         self.calls: list[tuple[str, dict]] = []
+        self.release = threading.Event()  # a request to `hang` waits for it (a hung worker)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,6 +31,8 @@ class FakeReplica:
                 route = self.path.split("?")[0]
                 fake.calls.append((route, body))
                 status = (fail or {}).get(route, 200)
+                if route == hang:
+                    fake.release.wait(60)
                 if route == "/pause" and meet is not None:
                     try:
                         meet.wait(timeout=5)
@@ -50,6 +55,7 @@ class FakeReplica:
         return [r for r, _ in self.calls]
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -98,3 +104,16 @@ def test_on_the_filesystem_lane_a_replica_that_cannot_pause_stops_the_update_for
         push_fs([r.url for r in reps], tmp_path, 3)
     assert reps[0].routes() == ["/pause", "/start_weight_update", "/resume"]
     assert reps[1].routes() == ["/pause"]
+
+
+def test_on_a_sharded_lane_a_replica_whose_update_hangs_is_given_up_after_the_bound(fakes):
+    reps = [fakes(), fakes(hang="/update_weights")]
+    lost: list[tuple[int, str]] = []
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="no answer within 1 s") as err:
+        push_sharded([r.url for r in reps], [[[{}]]] * 2, 9, lost=lambda i, why: lost.append((i, why)),
+                     answer_within_s=1.0)
+    assert time.monotonic() - t0 < 30, "not the HTTP timeout of 600 s"
+    assert err.value.hung == [1] and [i for i, _ in lost] == [1]
+    assert reps[0].routes() == FULL, "the other replica updates and resumes"
+    assert reps[1].routes() == ["/pause", "/start_weight_update", "/update_weights"], "neither finished nor resumed"

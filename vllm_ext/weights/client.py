@@ -26,7 +26,12 @@ __all__ = ["WeightSyncError", "SyncResult", "Replica", "push_fs", "push_stream",
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    """What failed, per replica; ``hung``: the indices of replicas whose update request had
+    no answer in time (left paused, their requests running: take them out of rotation)."""
+
+    def __init__(self, message: str, hung: Sequence[int] = ()):
+        super().__init__(message)
+        self.hung = list(hung)
 
 
 @dataclass
@@ -91,19 +96,24 @@ def _each(fn: Callable[[int], None], indices: Sequence[int]) -> dict[int, Except
 def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                   update_body: Callable[[int, Replica], dict],
                   during: Callable[[], int] | None = None,
-                  lost: Callable[[int, str], None] | None = None) -> SyncResult:
+                  lost: Callable[[int, str], None] | None = None,
+                  answer_within_s: float | None = None) -> SyncResult:
     """pause -> start -> update (plus `during` in this thread) -> finish -> resume, each step on
     all replicas concurrently.
 
     Without `lost`, a replica failing to pause or start ends the update for all. With it
     (replicas fed by senders of their own, as the sharded lanes' are), that replica alone
     drops out: `lost(index, why)` is called at once, for it and for any replica whose
-    update request fails, and the others go on."""
+    update request fails or, with `answer_within_s`, has not answered by then (a hung
+    worker: vLLM's /health stays OK meanwhile); the others go on. A hung replica is
+    neither finished nor resumed (its engine would not answer either) and is named in the
+    error's `hung`."""
     res = SyncResult(version=int(version), transport=transport)
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
     active = list(range(len(replicas)))
     paused: list[Replica] = []
+    hung: list[int] = []
 
     def failed(i: int, exc: Exception) -> None:
         errors[replicas[i].base] = str(exc)
@@ -142,20 +152,27 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                 res.bytes = during()
         except Exception as exc:  # noqa: BLE001
             errors["sender"] = f"{type(exc).__name__}: {exc}"
-        for t in threads:
-            t.join()
+        deadline = None if answer_within_s is None else time.monotonic() + answer_within_s
+        for i, t in zip(active, threads):
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                hung.append(i)
+                failed(i, WeightSyncError(f"{replicas[i].base}/update_weights: no answer within {answer_within_s:.0f} "
+                                          "s (a hung worker?); left paused, out of this update"))
         res.transfer_seconds = time.perf_counter() - t1
-        active = [i for i in active if ok.get(replicas[i].base)]
+        active = [i for i in active if ok.get(replicas[i].base) and i not in hung]
         drop_failed(_each(lambda i: replicas[i].post("/finish_weight_update",
                                                      {"weight_version": str(int(version))}), active))
     except WeightSyncError as exc:
         errors.setdefault("protocol", str(exc))
     finally:
-        for i, exc in sorted(_each(lambda i: paused[i].post("/resume"), range(len(paused))).items()):
-            errors.setdefault(paused[i].base + " resume", str(exc))
+        resume = [r for r in paused if r not in {replicas[i] for i in hung}]
+        for i, exc in sorted(_each(lambda i: resume[i].post("/resume"), range(len(resume))).items()):
+            errors.setdefault(resume[i].base + " resume", str(exc))
         res.seconds = time.perf_counter() - t0
     if errors:
-        raise WeightSyncError(f"weight update to version {version} failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+        raise WeightSyncError(f"weight update to version {version} failed: "
+                              + "; ".join(f"{k}: {v}" for k, v in errors.items()), hung=hung)
     return res
 
 
@@ -167,18 +184,20 @@ def push_fs(replicas: Sequence[Replica | str], path: str | Path, version: int) -
 
 
 def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
-                 version: int, lost: Callable[[int, str], None] | None = None) -> SyncResult:
+                 version: int, lost: Callable[[int, str], None] | None = None,
+                 answer_within_s: float | None = None) -> SyncResult:
     """Make every replica receive `version` from the trainer ranks' sharded senders at once.
 
     ``workers[i][t]``: for TP rank t of replica i, the join info of every trainer rank's
     sender for that worker (``sharded.ShardedSender.update_infos``); the ranks send
     themselves, in their own processes, while this waits for the replicas. A replica
-    that fails drops out alone: ``lost(i, why)`` at once (tell the senders, whose lanes
-    to it would otherwise wait for it), and the others finish their update."""
+    that fails, or has not answered within ``answer_within_s``, drops out alone:
+    ``lost(i, why)`` at once (tell the senders, whose lanes to it would otherwise wait
+    for it), and the others finish their update."""
     reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
     return _run_protocol(reps, version, "sharded",
                          lambda i, r: {"transport": "sharded", "version": int(version), "workers": workers[i]},
-                         lost=lost or (lambda i, why: None))
+                         lost=lost or (lambda i, why: None), answer_within_s=answer_within_s)
 
 
 def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:
