@@ -74,6 +74,9 @@ class InferenceConfig:
     kv_cache_gib: StrictFloat = knob(
         1.0, "KV cache of each managed replica (vLLM --kv-cache-memory-bytes); CPU RAM", gt=0)
     enforce_eager: StrictBool = knob(True, "start managed replicas with --enforce-eager (no compile warm-up)")
+    tensor_parallel: StrictInt = knob(
+        1, "vLLM --tensor-parallel-size of each managed replica; the sharded weight lanes send each of its "
+           "workers only its slices", ge=1)
     request_timeout_s: StrictFloat = knob(120.0, "per-request timeout; a replica that times out is marked down", gt=0)
     router: Literal["embedded", "llmd"] = knob(
         "embedded", "who picks each request's replica: 'embedded' (router_ext's formula in this process) or 'llmd' "
@@ -104,6 +107,13 @@ class InferenceConfig:
                 "shared memory, same host), 'net' (the same over gloo/TCP), 'te' (the same pulled with Mooncake "
                 "Transfer Engine: RDMA where the cluster has it), 'fs' (safetensors in the run dir); 'auto' is 'shm' for "
                 "managed replicas, else 'fs' (rl_loop/weight_lane.py says why)")
+
+    @model_validator(mode="after")
+    def _tp_of_managed_replicas(self) -> InferenceConfig:
+        if self.tensor_parallel != 1 and self.replicas == 0:
+            raise ValueError(f"inference.tensor_parallel = {self.tensor_parallel} sizes managed replicas; with "
+                             "inference.endpoints their own servers set it: leave it at 1")
+        return self
 
     @model_validator(mode="after")
     def _pool_has_replicas(self) -> InferenceConfig:

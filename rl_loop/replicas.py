@@ -92,13 +92,17 @@ def server_command(model: Path | str, port: int, *, dtype: str, max_model_len: i
 def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dtype: str,
                   max_model_len: int | None = None, max_num_seqs: int = 64, kv_cache_gib: float = 1.0,
                   enforce_eager: bool = True, extra: list[str] | None = None, env: dict | None = None,
-                  cpus: tuple[int, ...] | None = None) -> Replica:
+                  cpus: tuple[int, ...] | None = None, tensor_parallel: int = 1) -> Replica:
     """Start one server, for sequences up to `max_model_len` tokens (default: the checkpoint's context);
-    with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores."""
+    with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores. With
+    `tensor_parallel` > 1 its workers split the cores (this process's, without `cpus`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
+    bind = cpus or (tuple(sorted(os.sched_getaffinity(0))) if tensor_parallel > 1 else None)
     full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1",
-                **(placement.replica_env(cpus) if cpus else {}), **(env or {})}
+                **(placement.replica_env(bind, tensor_parallel) if bind else {}), **(env or {})}
+    if tensor_parallel > 1:
+        extra = [*(extra or []), "--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
     cmd = server_command(model, port, dtype=dtype, max_model_len=max_model_len or checkpoint_context(model),
                          max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra)
     with open(log_path, "w") as fh:

@@ -43,6 +43,8 @@ def test_unavailable_core_is_an_error():
 def test_envs():
     assert trainer_env((0, 1, 2, 3), 2) == {"OMP_NUM_THREADS": "2"}
     assert replica_env((4, 5)) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    assert replica_env((4, 5, 6, 7), 2) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5|6,7"}, "a core set per TP worker"
+    assert replica_env((1,), 2) == {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}, "fewer cores than workers: shared"
 
 
 def test_for_config_places_only_the_trainer_beside_external_endpoints():
