@@ -71,6 +71,14 @@ def test_context_parallel_must_divide_the_trainer_and_fit_the_model():
                             "not 'qwen3_moe' (model.arch); set train.context_parallel = 1")
 
 
+def test_tensor_parallel_sizes_managed_replicas_only():
+    assert load("inference.tensor_parallel=2").inference.tensor_parallel == 2
+    with pytest.raises(ConfigError) as e:
+        load("inference.replicas=0", 'inference.endpoints=["http://10.0.0.5:8000"]', "inference.tensor_parallel=2")
+    assert str(e.value) == ("inference: inference.tensor_parallel = 2 sizes managed replicas; with inference.endpoints "
+                            "their own servers set it: leave it at 1")
+
+
 def test_core_lists_must_name_cores_of_this_machine():
     n = os.cpu_count()
     assert load(f"train.cpus=0-{n - 1}").train.cpus == f"0-{n - 1}"
