@@ -75,20 +75,31 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# Integration modules with no server and no fixed port (torchrun jobs on free rendezvous ports, or
+# in-process code) and no timing bound: they can run beside the server modules.
+BESIDE_SERVERS = ("test_block_fp8_checkpoints", "test_context_parallel", "test_expert_parallel",
+                  "test_qwen3_moe_port", "test_rl_trainer", "test_titan_checkpoints", "test_titan_training")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs pytest-xdist with two workers: every integration test goes to one worker, in
-    file order, exactly as a serial run takes them (they start servers on fixed ports, own whole cores
-    and kill process trees), while the other worker takes the unit tests, which are mostly
-    single-threaded: a 2-core machine then has both cores busy. (xdist's own `--dist loadgroup`
-    marks do not group on pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    """`make test` runs pytest-xdist with two workers. The integration tests that start servers go
+    to one worker, in file order, exactly as a serial run takes them (they use fixed ports, own
+    whole cores and kill process trees); the other worker takes the integration modules that can
+    run beside them (`BESIDE_SERVERS`), then the unit tests, which are mostly single-threaded: a
+    2-core machine then has both cores busy until the end, where the unit tests alone used to
+    leave one idle for most of the run. (xdist's own `--dist loadgroup` marks do not group on
+    pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class IntegrationOnOneWorker(LoadScopeScheduling):
+    class ServersOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+            if not nodeid.startswith("tests/integration/"):
+                return nodeid
+            module = nodeid.split("/")[2].split(".py")[0]
+            return "integration beside servers" if module in BESIDE_SERVERS else "integration with servers"
 
-    return IntegrationOnOneWorker(config, log)
+    return ServersOnOneWorker(config, log)
 
 
 @contextmanager
