@@ -75,31 +75,30 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# Integration modules with no server and no fixed port (torchrun jobs on free rendezvous ports, or
-# in-process code) and no timing bound: they can run beside the server modules.
-BESIDE_SERVERS = ("test_block_fp8_checkpoints", "test_context_parallel", "test_expert_parallel",
-                  "test_qwen3_moe_port", "test_rl_trainer", "test_titan_checkpoints", "test_titan_training")
+# Integration modules that load like unit tests (one process at a time, no server, no fixed port, no
+# timing bound) and can run beside the server modules as the unit tests do. Not the torchrun
+# modules: beside test_kv_pool's servers, their 2-4 processes made its deadline-bound waits fail.
+BESIDE_SERVERS = ("test_qwen3_moe_port", "test_titan_checkpoints")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs pytest-xdist with two workers. The integration tests that start servers go
-    to one worker, in file order, exactly as a serial run takes them (they use fixed ports, own
-    whole cores and kill process trees); the other worker takes the integration modules that can
-    run beside them (`BESIDE_SERVERS`), then the unit tests, which are mostly single-threaded: a
-    2-core machine then has both cores busy until the end, where the unit tests alone used to
-    leave one idle for most of the run. (xdist's own `--dist loadgroup` marks do not group on
+    """`make test` runs pytest-xdist with two workers. The integration tests go to one worker, in
+    file order, exactly as a serial run takes them (they start servers on fixed ports, own whole
+    cores and kill process trees); the other worker takes the integration modules that load like
+    unit tests (`BESIDE_SERVERS`), then the unit tests, which are mostly single-threaded: a 2-core
+    machine then has both cores busy. (xdist's own `--dist loadgroup` marks do not group on
     pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ServersOnOneWorker(LoadScopeScheduling):
+    class IntegrationOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if not nodeid.startswith("tests/integration/"):
                 return nodeid
             module = nodeid.split("/")[2].split(".py")[0]
-            return "integration beside servers" if module in BESIDE_SERVERS else "integration with servers"
+            return "integration beside servers" if module in BESIDE_SERVERS else "integration"
 
-    return ServersOnOneWorker(config, log)
+    return IntegrationOnOneWorker(config, log)
 
 
 @contextmanager
