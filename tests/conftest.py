@@ -75,6 +75,18 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def corrupt_first_ring_piece(publish: Callable) -> Callable:
+    """A `shm.RingWriter._publish` that flips a byte of a ring's first piece after its sender
+    hashed it (what a bad copy or link does), then publishes it with `publish`."""
+
+    def corrupting(self, n, digest):
+        if self.seq == 0:
+            self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
+        publish(self, n, digest)
+
+    return corrupting
+
+
 # Integration modules that load like unit tests (one process at a time, no server, no fixed port, no
 # timing bound) and can run beside the server modules as the unit tests do. Not the torchrun
 # modules: beside test_kv_pool's servers, their 2-4 processes made its deadline-bound waits fail.

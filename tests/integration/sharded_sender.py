@@ -27,18 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from safetensors.torch import load_file  # noqa: E402
 
+from tests.conftest import corrupt_first_ring_piece  # noqa: E402
 from vllm_ext.weights.format import dtype_name  # noqa: E402
 from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard  # noqa: E402
 from vllm_ext.weights.shm import RingShape, RingWriter  # noqa: E402
 from vllm_ext.weights.sharded import ShardedSender  # noqa: E402
 
 _PUBLISH = RingWriter._publish
-
-
-def _corrupt_first(self, n, digest):
-    if self.seq == 0:
-        self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
-    _PUBLISH(self, n, digest)
+_CORRUPT_FIRST = corrupt_first_ring_piece(_PUBLISH)
 
 
 @cache
@@ -59,7 +55,7 @@ def update(rank: int, world: int, tps: list[int], bucket_bytes: int, ckpt: str, 
     if fault == "shape":
         name = next(n for n, s in shapes.items() if len(s) == 2 and s[0] != s[1] and "layers.1." in n)
         announced[name] = shapes[name][::-1]
-    RingWriter._publish = _corrupt_first if fault == "corrupt" else _PUBLISH
+    RingWriter._publish = _CORRUPT_FIRST if fault == "corrupt" else _PUBLISH
     per_thread = threading.local()  # one sending thread per receiver worker: each stalls halfway
 
     def read(p):

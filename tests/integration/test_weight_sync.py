@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 
 from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
+from tests.conftest import corrupt_first_ring_piece
 from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_sharded, push_stream
 from vllm_ext.weights.format import TensorMeta
 from vllm_ext.weights.shm import SHM_DIR, RingWriter
@@ -265,15 +266,8 @@ def test_update_equals_fresh_server(ckpts, servers, monkeypatch):
     assert tokens_and_logprobs(outs) == own_v1 and versions(outs) == {1}
 
     # -- fault 3: a piece corrupted in the shared-memory ring after the sender hashed it
-    publish = RingWriter._publish
-
-    def corrupt_first_piece(self, n, digest):
-        if self.seq == 0:
-            self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
-        publish(self, n, digest)
-
     with monkeypatch.context() as mp:
-        mp.setattr(RingWriter, "_publish", corrupt_first_piece)
+        mp.setattr(RingWriter, "_publish", corrupt_first_ring_piece(RingWriter._publish))
         with pytest.raises(WeightSyncError, match="checksum mismatch in piece 0"):
             push_stream([rep], metas_of(items_v2), iter(items_v2), 2, timeout_s=60)
     outs = generate(base, v1)

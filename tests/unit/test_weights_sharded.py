@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import corrupt_first_ring_piece
 from vllm_ext.weights import peak_rss
 from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
 from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
@@ -125,14 +126,7 @@ def test_shape_mismatch_is_refused_in_the_verify_pass_and_nothing_applied(budget
 
 @pytest.mark.parametrize("budget", [4096, 64 << 10], ids=["two passes", "one pass"])
 def test_a_piece_changed_after_hashing_is_refused_and_nothing_applied(budget, monkeypatch):
-    publish = RingWriter._publish
-
-    def corrupt_first(self, n, digest):  # a byte flipped in the ring after the sender hashed the piece
-        if self.seq == 0:
-            self.ring.view[self.ring.slot_offset(0) + n // 2] ^= 0x01
-        publish(self, n, digest)
-
-    monkeypatch.setattr(RingWriter, "_publish", corrupt_first)
+    monkeypatch.setattr(RingWriter, "_publish", corrupt_first_ring_piece(RingWriter._publish))
     r = run(0, shm=RingShape(2, 4096), budget=budget)
     assert r.err and "checksum mismatch in piece 0" in r.err
     assert r.got == {}, "nothing reaches the model"
