@@ -58,12 +58,12 @@ def cmd_rl(args: argparse.Namespace) -> int:
     import asyncio
 
     from rl_loop.config import RLConfig, parse_overrides
-    from rl_loop.orchestrator import Orchestrator, TrainerExited
+    from rl_loop.orchestrator import Orchestrator, RunStopped
 
     config = RLConfig.from_toml(args.config, parse_overrides(args.set or []))
     try:
         summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
-    except TrainerExited as e:
+    except RunStopped as e:
         print(f"moerl rl: error: {e}", file=sys.stderr)
         return 1
     print(f"\nrun finished: metrics {summary['metrics']}\n              plot    {summary['plot']}\n"

@@ -47,14 +47,24 @@ from .llmd import LlmdRouter
 from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
 from .tasks import get_task, group_samples, is_episodic
+from vllm_ext.routing.handoff import sweep_dead_servers
+from vllm_ext.weights.shm import sweep
 from vllm_ext.weights.wire import COMMIT_MARKER
 
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
 from .weight_lane import LaneChoice, choose_lane, read_infos, write_off
 
 
-class TrainerExited(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why and what to do (`moerl rl` prints it as one line)."""
+
+
+class TrainerExited(RunStopped):
     """The trainer process ended before the run did (crash, OOM kill, a user's kill)."""
+
+
+class NoUsableSamples(RunStopped):
+    """A step's rollouts were all stale or rejected: there is nothing to train on."""
 
 
 @dataclass
@@ -368,8 +378,13 @@ class Orchestrator:
                     self.counters["resent_groups"] += ro.counters.get("resent_groups", 0)
                     batch, fresh, rejected = self.build_batch(ro, step, shape, tokenizer.pad_token_id)
                     if batch is None:
-                        raise RuntimeError(f"step {step}: no usable samples (all stale or rejected; "
-                                           f"rejected by reason: {rejected})")
+                        versions = {r.name: r.policy_version for r in self.replicas}
+                        raise NoUsableSamples(
+                            f"step {step}: no usable samples. Rejected by reason: {rejected}; stale (generated "
+                            f"more than rollout.max_off_policy_steps={k} versions behind v{step - 1}): "
+                            f"{sum(step - 1 - s.policy_version > k for s in ro.samples)} of {len(ro.samples)}, "
+                            f"replica versions {versions}, failed weight syncs {self.counters['failed_syncs']} "
+                            f"(their errors are above). Fix what failed, then continue with --resume")
                     write_atomic(batch_path(self.run_dir, step), lambda t: torch.save(batch.to_dict(), t))
                     submitted[step] = (ro, fresh, rejected)
 
@@ -416,11 +431,14 @@ class Orchestrator:
         finally:
             for r in self.replicas:
                 stop_replica(r)
+            sweep_dead_servers()  # the routing segments of a replica killed under the run
             if self.kv_master is not None:
                 self.kv_master.stop()
             if self.trainer_proc is not None and self.trainer_proc.poll() is None:
                 os.killpg(self.trainer_proc.pid, signal.SIGTERM)
                 self.trainer_proc.wait(60)
+            if self.lane is not None and self.lane.lane == "shm":
+                sweep()  # a trainer stopped by a signal could not unlink its rings
         png = reporter.close()
         summary = {"run_dir": str(self.run_dir), "metrics": str(reporter.jsonl), "plot": str(png) if png else None,
                    "tensorboard": str(self.run_dir / "tensorboard"), **self.counters}
