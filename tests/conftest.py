@@ -87,18 +87,31 @@ def corrupt_first_ring_piece(publish: Callable) -> Callable:
     return corrupting
 
 
-# Integration modules that load like unit tests (one process at a time, no server, no fixed port, no
-# timing bound) and can run beside the server modules as the unit tests do. Not the torchrun
-# modules: beside test_kv_pool's servers, their 2-4 processes made its deadline-bound waits fail.
-BESIDE_SERVERS = ("test_qwen3_moe_port", "test_titan_checkpoints")
+# Integration modules that run on the unit tests' worker, beside the server modules, in this order.
+# test_rl_tensor_parallel (one `moerl rl` run, a TP=2 replica and 2 trainer ranks, about 90 s) goes
+# first: it overlaps the server worker's first modules (torchrun numerics, no timing bound) and is
+# done before test_kv_pool's deadline-bound waits begin. The other two load like unit tests (one
+# process at a time, no server, no timing bound). Not the other torchrun modules: beside
+# test_kv_pool's servers, their 2-4 processes made its deadline-bound waits fail.
+BESIDE_SERVERS = ("test_rl_tensor_parallel", "test_qwen3_moe_port", "test_titan_checkpoints")
+
+
+def _module(nodeid: str) -> str:
+    return Path(nodeid.split("::")[0]).stem
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The BESIDE_SERVERS modules first, in that order; everything else keeps its order."""
+    items.sort(key=lambda item: BESIDE_SERVERS.index(m) if (m := _module(item.nodeid)) in BESIDE_SERVERS
+               else len(BESIDE_SERVERS))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs pytest-xdist with two workers. The integration tests go to one worker, in
     file order, exactly as a serial run takes them (they start servers on fixed ports, own whole
-    cores and kill process trees); the other worker takes the integration modules that load like
-    unit tests (`BESIDE_SERVERS`), then the unit tests, which are mostly single-threaded: a 2-core
+    cores and kill process trees); the other worker takes the `BESIDE_SERVERS` modules, then the
+    unit tests, which are mostly single-threaded: a 2-core
     machine then has both cores busy. (xdist's own `--dist loadgroup` marks do not group on
     pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
@@ -107,8 +120,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if not nodeid.startswith("tests/integration/"):
                 return nodeid
-            module = nodeid.split("/")[2].split(".py")[0]
-            return "integration beside servers" if module in BESIDE_SERVERS else "integration"
+            return "integration beside servers" if _module(nodeid) in BESIDE_SERVERS else "integration"
 
     return IntegrationOnOneWorker(config, log)
 
