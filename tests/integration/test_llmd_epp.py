@@ -170,22 +170,25 @@ def test_groups_stay_on_their_home_under_concurrent_requests(stack):
 def test_a_replica_past_the_load_bound_loses_its_groups(stack):
     r0 = stack["replicas"]["r0"]
     async def run():
-        stop = asyncio.Event()
         async with aiohttp.ClientSession() as session:  # another client keeps 8 requests running on r0
             async def keep_busy(i):
-                # lengths differ, so the 8 never end together (a scrape then would see r0 idle)
-                body = {"model": stack["model"], "prompt": _prompt("busy"), "max_tokens": 60 + 17 * i,
+                # Long enough to outlast the spilled requests: short ones (60-180 tokens) left r0 with
+                # 0-1 running for stretches between a finish and the next request, and the picker,
+                # rightly, sent a spilled request there. Lengths differ, so the 8 never end together.
+                body = {"model": stack["model"], "prompt": _prompt("busy"), "max_tokens": 800 + 17 * i,
                         "temperature": 0, "ignore_eos": True}
-                while not stop.is_set():
+                while True:
                     async with session.post(r0.base_url + "/v1/completions", json=body) as resp:
                         await resp.read()
 
             busy = [asyncio.create_task(keep_busy(i)) for i in range(8)]
-            await asyncio.to_thread(_wait_metric, r0.base_url, "vllm:num_requests_running", lambda v: v >= 8)
-            spilled = [await _send(stack, [(k, k)]) for k in _keys_homed("r0", 3, "bound")]
-            stop.set()
-            await asyncio.gather(*busy)
-            return spilled
+            try:
+                await asyncio.to_thread(_wait_metric, r0.base_url, "vllm:num_requests_running", lambda v: v >= 8)
+                return [await _send(stack, [(k, k)]) for k in _keys_homed("r0", 3, "bound")]
+            finally:
+                for task in busy:  # the client goes away: vLLM aborts its requests
+                    task.cancel()
+                await asyncio.gather(*busy, return_exceptions=True)
 
     spilled = asyncio.run(run())
     # load 8 vs 0: capacity ceil(1.5 * 9 / 2) = 7 (5 at load 5), so r0's groups go to their ring successor
