@@ -111,9 +111,9 @@ def pytest_xdist_make_scheduler(config, log):
     """`make test` runs pytest-xdist with two workers. The integration tests go to one worker, in
     file order, exactly as a serial run takes them (they start servers on fixed ports, own whole
     cores and kill process trees); the other worker takes the `BESIDE_SERVERS` modules, then the
-    unit tests, which are mostly single-threaded: a 2-core
-    machine then has both cores busy. (xdist's own `--dist loadgroup` marks do not group on
-    pytest 9.2: xdist renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    unit tests, which are mostly single-threaded: a 2-core machine then has both cores busy.
+    (xdist's own `--dist loadgroup` marks do not group on pytest 9.2: xdist renames
+    `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class IntegrationOnOneWorker(LoadScopeScheduling):

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
+from vllm_ext.routing.handoff import server_segments
 from vllm_ext.weights.shm import PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.slow
@@ -111,7 +112,7 @@ def faults(tmp_path_factory) -> Faults:
     finally:
         if proc.poll() is None:
             _kill_tree(proc.pid)
-    replica_segments = [seg.name for seg in SHM_DIR.glob(f"moerl-r3-{killed_replica:x}????????-*")]  # routing
+    replica_segments = server_segments(killed_replica)  # its routing records
     return Faults(killed_rc, killed_out, orphans, trainer_rings, replica_segments, after, proc.returncode,
                   resumed_out, run_dir)
 

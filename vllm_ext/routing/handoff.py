@@ -59,8 +59,8 @@ import numpy as np
 from .missing import BAD_SEGMENT, NO_SEGMENT, ROWS_MISSING, SHM_FULL, RoutingMissing
 
 __all__ = ["RowsSegment", "SegmentReaper", "read_rows", "segment_name", "server_token", "capture_on",
-           "capture_failed", "capture_off_reason", "remove_markers", "sweep_dead_servers", "SHM_DIR", "TOKEN_ENV",
-           "FAULT_ENV"]
+           "capture_failed", "capture_off_reason", "remove_markers", "server_segments", "sweep_dead_servers",
+           "SHM_DIR", "TOKEN_ENV", "FAULT_ENV"]
 
 SHM_DIR = "/dev/shm"
 TOKEN_ENV = "MOERL_ROUTING_SERVER"
@@ -99,20 +99,35 @@ def segment_name(token: str, req_id: str) -> str:
     return f"moerl-r3-{token}-{hashlib.blake2b(req_id.encode(), digest_size=12).hexdigest()}"
 
 
+def _server_pid(name: str) -> int | None:
+    """The API process id a segment name's token starts with (in hex, before 8 random digits)."""
+    if not name.startswith("moerl-r3-"):
+        return None
+    try:
+        return int(name.split("-")[2][:-8], 16)
+    except ValueError:
+        return None
+
+
+def server_segments(pid: int) -> list[str]:
+    """The segment names of the server whose API process is `pid`."""
+    return [e.name for e in os.scandir(SHM_DIR) if _server_pid(e.name) == pid]
+
+
 def sweep_dead_servers() -> int:
     """Unlink the segments of servers whose API process is gone (killed before its
-    workers' exit handlers ran); the token starts with that process's id in hex."""
+    workers' exit handlers ran)."""
     n = 0
     for entry in os.scandir(SHM_DIR):
-        if not entry.name.startswith("moerl-r3-"):
+        pid = _server_pid(entry.name)
+        if pid is None:
             continue
-        token = entry.name.split("-")[2]
         try:
-            os.kill(int(token[:-8], 16), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             unlink(entry.name)
             n += 1
-        except (ValueError, PermissionError):
+        except PermissionError:
             pass
     return n
 
