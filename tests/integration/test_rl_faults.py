@@ -65,6 +65,17 @@ def _finish(proc, timeout_s: float = 900) -> str:
     return out
 
 
+def _run_to_end(run_dir: Path, *extra: str, port: int) -> tuple[int, str]:
+    """`moerl rl` run to its end: (exit code, output); its process tree is killed if waiting fails."""
+    proc = _moerl_rl(run_dir, *extra, port=port)
+    try:
+        out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+    return proc.returncode, out
+
+
 @dataclass
 class Faults:
     """What the two runs left: the killed run's exit, output and trainer processes still running; the

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import ulp
-from tests.integration.test_rl_faults import _finish, _kill_tree, _moerl_rl, _records
+from tests.integration.test_rl_faults import _records, _run_to_end
 from titan_ext.tiny_assets import VOCAB_SIZE
 
 pytestmark = pytest.mark.slow
@@ -35,15 +35,11 @@ STEPS = 3
 
 def test_moerl_rl_updates_a_tp2_replica_from_two_trainer_ranks(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _moerl_rl(run_dir, "--set", "inference.replicas=1", "--set", "inference.tensor_parallel=2",
-                     "--set", "train.nproc=2", "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_interval=100",
-                     "--set", "rollout.max_off_policy_steps=0", "--set", "rollout.samples_per_prompt=4", port=PORT)
-    try:
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-    assert proc.returncode == 0, out[-4000:]
+    rc, out = _run_to_end(run_dir, "--set", "inference.replicas=1", "--set", "inference.tensor_parallel=2",
+                          "--set", "train.nproc=2", "--set", f"train.steps={STEPS}",
+                          "--set", "train.checkpoint_interval=100", "--set", "rollout.max_off_policy_steps=0",
+                          "--set", "rollout.samples_per_prompt=4", port=PORT)
+    assert rc == 0, out[-4000:]
     assert "weight sync lane: shm" in out, out[-4000:]
 
     log = "".join(p.read_text() for p in sorted((run_dir / "replicas").glob("*.log")))

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
-from tests.integration.test_rl_faults import _finish, _kill_tree, _moerl_rl, _records
+from tests.integration.test_rl_faults import _records, _run_to_end
 from tests.integration.test_vllm_routing import post
 from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.missing import REASONS, SHM_FULL
@@ -82,14 +82,9 @@ def test_lost_routing_is_in_the_response_on_metrics_and_in_the_rl_metrics(tmp_pa
 
         # one `moerl rl` step against this replica (4 prompts x 8 samples)
         run_dir = tmp_path / "run"
-        proc = _moerl_rl(run_dir, "--set", "inference.replicas=0", "--set", f'inference.endpoints=["{base}"]',
-                         "--set", f"model.checkpoint={ckpt}", "--set", "train.steps=1", port=PORT + 1)
-        try:
-            log = _finish(proc)
-        finally:
-            if proc.poll() is None:
-                _kill_tree(proc.pid)
-        assert proc.returncode == 0, log[-4000:]
+        rc, log = _run_to_end(run_dir, "--set", "inference.replicas=0", "--set", f'inference.endpoints=["{base}"]',
+                              "--set", f"model.checkpoint={ckpt}", "--set", "train.steps=1", port=PORT + 1)
+        assert rc == 0, log[-4000:]
         (record,) = _records(run_dir)
         rejected = record["rejected"]
         assert list(rejected) == [f"no routing record ({SHM_FULL})"], rejected
