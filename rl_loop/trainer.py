@@ -181,17 +181,20 @@ class ShardedPublisher:
 
     def __init__(self, model: torch.nn.Module, replica_tp: list[int], lane: str, wire_dtype: torch.dtype,
                  timeout_s: float = 600.0):
-        from titan_ext.weights import hf_metadata, owned_hf_slices
-        from vllm_ext.weights.format import dtype_name
-        from vllm_ext.weights.plan import replica_needs, reshard
+        from titan_ext.weights import hf_metadata, owned_hf_slices, wire_slices
+        from vllm_ext.weights.format import dtype_name, dtype_of
+        from vllm_ext.weights.plan import expert_groups, replica_needs, reshard, wire_shapes
         from vllm_ext.weights.shm import RingShape
         from vllm_ext.weights.sharded import ShardedSender
 
         self.model, self.wire_dtype, self.rank = model, wire_dtype, dist.get_rank()
         meta = hf_metadata(model, dtype=wire_dtype)
-        self.shapes = {n: tuple(shape) for n, _, shape in meta}
-        self.dtypes = {n: dtype_name(d) for n, d, _ in meta}
-        mine = owned_hf_slices(model)
+        hf_shapes = {n: tuple(shape) for n, _, shape in meta}
+        groups = expert_groups(hf_shapes)  # the wire layout: experts stacked
+        self.shapes = wire_shapes(hf_shapes, groups)
+        hf_dtypes = {n: dtype_name(d) for n, d, _ in meta}
+        self.dtypes = {g: hf_dtypes[ms[0]] for g, ms in groups.items()}
+        mine = wire_slices(owned_hf_slices(model), groups)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [(s.name, s.box) for s in mine])
         owned: dict[str, list] = {}
@@ -199,9 +202,10 @@ class ShardedPublisher:
             for name, box in slices:
                 owned.setdefault(name, []).append((r, box))
         needs = [n for tp in replica_tp for n in replica_needs(self.shapes, tp)]
-        itemsize = {n: torch.empty((), dtype=d).element_size() for n, d, _ in meta}
+        itemsize = {g: dtype_of(d).itemsize for g, d in self.dtypes.items()}
         self.pieces = [p for p in reshard(list(self.shapes), owned, needs, itemsize) if p.sender == self.rank]
         self.slices = {s.name: s for s in mine}
+        self.reader = None  # the last update's OwnedReader (it keeps the boxes)
         self.replica_tp = replica_tp
         self.replica_of = [i for i, tp in enumerate(replica_tp) for _ in range(tp)]  # receiver -> replica index
         names = [f"replica r{i} worker {t}" for i, tp in enumerate(replica_tp) for t in range(tp)]
@@ -217,7 +221,7 @@ class ShardedPublisher:
 
         infos = self.sender.update_infos(version)
         write_atomic(sync_dir(run_dir, version) / f"rank{self.rank}.json", lambda t: t.write_text(json.dumps(infos)))
-        read = OwnedReader(self.model.state_dict(), self.wire_dtype)
+        read = self.reader = OwnedReader(self.model.state_dict(), self.wire_dtype, after=self.reader)
         t0 = time.perf_counter()
         nbytes = self.sender.send(self.pieces, lambda p: read(self.slices[p.name], p.box),
                                   self.dtypes, self.shapes, version,

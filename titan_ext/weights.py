@@ -33,7 +33,7 @@ import torch
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, quantize, scale_shape
 
 __all__ = ["layer_groups", "hf_metadata", "iter_hf_state", "iter_hf_weights", "drain", "adapter_for", "OwnedSlice",
-           "owned_hf_slices", "OwnedReader"]
+           "owned_hf_slices", "wire_slices", "OwnedReader"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -181,7 +181,9 @@ Box = tuple[tuple[int, int], ...]  # [start, stop) per dim of the global (HF) te
 @dataclass(frozen=True)
 class OwnedSlice:
     """What this rank holds of HF tensor ``name`` (global ``shape``): ``box``, read from
-    titan tensor ``source`` (expert ``expert`` of a grouped-experts tensor, else None)."""
+    titan tensor ``source``. Of a grouped-experts tensor: expert ``expert`` (a 2-D HF
+    tensor), or, for a stack of experts (``wire_slices``), the experts from ``expert`` on;
+    else None."""
 
     name: str
     shape: tuple[int, ...]
@@ -190,16 +192,24 @@ class OwnedSlice:
     expert: int | None = None
 
 
-def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """(this rank's local tensor, its box in the global tensor); no communication."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``t``, detached (a DTensor's own ``detach`` costs a sharding
+    propagation: its local tensor's does not)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def _box(t: torch.Tensor) -> Box:
+    """The box of the global tensor that this rank's local tensor of ``t`` holds; no communication."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
-        return t, tuple((0, int(n)) for n in t.shape)
+        return tuple((0, int(n)) for n in t.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape))
+    return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape))
 
 
 def owned_hf_slices(model: torch.nn.Module, *, adapter=None) -> list[OwnedSlice]:
@@ -214,7 +224,7 @@ def owned_hf_slices(model: torch.nn.Module, *, adapter=None) -> list[OwnedSlice]
     out: list[OwnedSlice] = []
     for names in layer_groups(list(sd)):
         for n in names:
-            local, box = _local_box(sd[n].detach())
+            local, box = _local(sd[n]), _box(sd[n])
             if local.numel() == 0:
                 continue
             hf = adapter.to_hf({n: _meta(sd[n])})
@@ -232,26 +242,51 @@ def owned_hf_slices(model: torch.nn.Module, *, adapter=None) -> list[OwnedSlice]
     return out
 
 
+def wire_slices(slices: list[OwnedSlice], groups: Mapping[str, list[str]]) -> list[OwnedSlice]:
+    """``slices`` in the sharded transport's wire layout (``groups``: ``plan.expert_groups``):
+    this rank's experts of each stack as one slice of it, read from the grouped-experts
+    tensor in one piece."""
+    by_name = {s.name: s for s in slices}
+    out: list[OwnedSlice] = []
+    for g, members in groups.items():
+        mine = [by_name[m] for m in members if m in by_name]
+        if members == [g] or not mine:
+            out.extend(mine)
+            continue
+        lo = members.index(mine[0].name)
+        hi, start = lo + len(mine), mine[0].expert - lo  # start: the stack's first expert
+        if (any(s.source != mine[0].source or s.box != mine[0].box for s in mine)
+                or [s.expert for s in mine] != list(range(start + lo, start + hi))):
+            raise NotImplementedError(f"{g}: this rank's experts are not one run of one tensor")
+        out.append(OwnedSlice(g, (len(members), *mine[0].shape), ((lo, hi), *mine[0].box), mine[0].source, start))
+    return out
+
+
 class OwnedReader:
     """Reads sub-boxes of this rank's owned slices for one update.
 
-    Each titan tensor's local shard and box is found once, on first use: DTensor's
-    offset computation costs about as much as copying a small piece, and doing it per
-    piece made it most of a sharded send's time. Make one per update (FSDP2 may hand
-    out other local tensors after a step)."""
+    Each titan tensor's local shard is found once per update, on first use (FSDP2 may
+    hand out other local tensors after a step), its box once per reader chain: pass the
+    last update's reader as ``after``. DTensor's offset computation costs about as much as
+    copying a small piece, and doing it per piece made it most of a sharded send's time."""
 
-    def __init__(self, model_state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
+    def __init__(self, model_state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                 after: OwnedReader | None = None):
         self.state, self.dtype = model_state, dtype
-        self.local: dict[str, tuple[torch.Tensor, Box]] = {}
+        self.local: dict[str, torch.Tensor] = {}
+        self.boxes: dict[str, Box] = after.boxes if after is not None else {}
 
     @torch.no_grad()
     def __call__(self, s: OwnedSlice, box: Box) -> torch.Tensor:
         """Sub-box ``box`` (global coordinates, inside ``s.box``) of ``s``, as a contiguous
         CPU tensor in the reader's dtype: only that piece is copied."""
-        if (found := self.local.get(s.source)) is None:
-            found = self.local[s.source] = _local_box(self.state[s.source].detach())
-        local, lbox = found
-        if s.expert is not None:
+        if (local := self.local.get(s.source)) is None:
+            local = self.local[s.source] = _local(self.state[s.source])
+        if (lbox := self.boxes.get(s.source)) is None:
+            lbox = self.boxes[s.source] = _box(self.state[s.source])
+        if s.expert is not None and len(box) == local.dim():  # a stack of experts from s.expert on
+            lbox = ((lbox[0][0] - s.expert, lbox[0][1] - s.expert), *lbox[1:])
+        elif s.expert is not None:
             local, lbox = local[s.expert - lbox[0][0]], lbox[1:]
         idx = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(box, lbox))
         piece = local[idx] if idx else local

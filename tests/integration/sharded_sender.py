@@ -25,11 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.conftest import corrupt_first_ring_piece  # noqa: E402
 from vllm_ext.weights.format import dtype_name  # noqa: E402
-from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard  # noqa: E402
+from vllm_ext.weights.plan import expert_groups, fsdp_owned, replica_needs, reshard  # noqa: E402
 from vllm_ext.weights.shm import RingShape, RingWriter  # noqa: E402
 from vllm_ext.weights.sharded import ShardedSender  # noqa: E402
 
@@ -39,7 +40,10 @@ _CORRUPT_FIRST = corrupt_first_ring_piece(_PUBLISH)
 
 @cache
 def weights(ckpt: str) -> dict:
-    return load_file(str(Path(ckpt) / "model.safetensors"))
+    """The checkpoint in the sharded transport's wire layout (experts stacked)."""
+    w = load_file(str(Path(ckpt) / "model.safetensors"))
+    groups = expert_groups({n: t.shape for n, t in w.items()})
+    return {g: w[g] if ms == [g] else torch.stack([w[m] for m in ms]) for g, ms in groups.items()}
 
 
 def update(rank: int, world: int, tps: list[int], bucket_bytes: int, ckpt: str, version: int, lane: str,

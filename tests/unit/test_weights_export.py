@@ -94,17 +94,28 @@ WORKER = textwrap.dedent('''
     for s in mine:
         want = ref[s.name][tuple(slice(a, b) for a, b in s.box)]
         assert torch.equal(read(s, s.box), want), s
-    boxes = [None, None]
-    dist.all_gather_object(boxes, [(s.name, s.box) for s in mine])
-    if rank == 0:
-        owned = {}
-        for r, lst in enumerate(boxes):
-            for n, b in lst:
-                owned.setdefault(n, []).append((r, b))
-        need = {k: tuple((0, d) for d in v.shape) for k, v in ref.items()}
-        why = check_cover(reshard(list(need), owned, [need]), need)
-        assert why is None, why
-        print(f"OK sharded {len(boxes[0])} + {len(boxes[1])} boxes")
+    # the same in the sharded transport's wire layout (each rank's experts of a stack read in one piece)
+    from titan_ext.weights import wire_slices
+    from vllm_ext.weights.plan import expert_groups
+    groups = expert_groups({k: tuple(v.shape) for k, v in ref.items()})
+    wire = {g: ref[g] if ms == [g] else torch.stack([ref[m] for m in ms]) for g, ms in groups.items()}
+    assert len(wire) < len(ref)
+    mine_wire = wire_slices(mine, groups)
+    for s in mine_wire:
+        assert torch.equal(read(s, s.box), wire[s.name][tuple(slice(a, b) for a, b in s.box)]), s
+    for layout, slices in (("hf", mine), ("wire", mine_wire)):
+        boxes = [None, None]
+        dist.all_gather_object(boxes, [(s.name, s.box) for s in slices])
+        if rank == 0:
+            owned = {}
+            for r, lst in enumerate(boxes):
+                for n, b in lst:
+                    owned.setdefault(n, []).append((r, b))
+            full = ref if layout == "hf" else wire
+            need = {k: tuple((0, d) for d in v.shape) for k, v in full.items()}
+            why = check_cover(reshard(list(need), owned, [need]), need)
+            assert why is None, why
+            print(f"OK sharded {layout} {len(boxes[0])} + {len(boxes[1])} boxes")
     dist.barrier()  # rank 1 must not tear gloo down while rank 0 still checks (SIGABRT otherwise)
     dist.destroy_process_group()
 ''')
@@ -122,4 +133,4 @@ def test_export_from_fsdp2_shards(tiny_checkpoint, tmp_path):
     line = next(l for l in r.stdout.splitlines() if "OK local" in l)
     local, full = map(int, line.split()[2::2])
     assert local < full * 0.6  # each rank holds about half: nothing was gathered up front
-    assert "OK sharded" in r.stdout
+    assert "OK sharded hf" in r.stdout and "OK sharded wire" in r.stdout

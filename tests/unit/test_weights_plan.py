@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ext.weights.plan import (Piece, TpRules, box_numel, check_cover, fsdp_boxes, fsdp_owned, replica_needs,
-                                   reshard, vllm_tp_box)
+from vllm_ext.weights.plan import (Piece, TpRules, box_numel, check_cover, expert_groups, expert_members,
+                                   fsdp_boxes, fsdp_owned, replica_needs, reshard, vllm_tp_box, wire_shapes)
 
 SHAPES = {
     "model.embed_tokens.weight": (512, 128),
@@ -65,3 +65,42 @@ def test_cover_check_names_what_is_wrong():
     assert "overlaps" in check_cover([Piece("a", ((0, 4), (0, 4)), 0, 0), Piece("a", ((0, 2), (0, 4)), 1, 0)], need)
     assert "not a tensor" in check_cover([Piece("b", ((0, 1),), 0, 0)], need)
     assert Piece.from_json(Piece("a", ((0, 2), (1, 4)), 1, 0).to_json()) == Piece("a", ((0, 2), (1, 4)), 1, 0)
+
+
+def _experts(n: int, layer: int = 1) -> dict[str, tuple[int, int]]:
+    return {f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": (128, 32) if p == "down_proj" else (32, 128)
+            for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_experts_travel_stacked_in_runs():
+    shapes = {"model.embed_tokens.weight": (512, 128), **_experts(64), "lm_head.weight": (512, 128)}
+    groups = expert_groups(shapes)  # 64 x 4096 elements fit one run
+    assert list(groups) == ["model.embed_tokens.weight", "model.layers.1.mlp.experts.0-64.gate_proj.weight",
+                            "model.layers.1.mlp.experts.0-64.up_proj.weight",
+                            "model.layers.1.mlp.experts.0-64.down_proj.weight", "lm_head.weight"]
+    stack = "model.layers.1.mlp.experts.0-64.down_proj.weight"
+    assert groups[stack] == expert_members(stack) == [f"model.layers.1.mlp.experts.{e}.down_proj.weight"
+                                                      for e in range(64)]
+    assert wire_shapes(shapes, groups)[stack] == (64, 128, 32)
+    assert expert_members("model.layers.1.mlp.experts.3.down_proj.weight") is None
+    # runs of at most max_elems: 10 experts of 4096, the last run short
+    runs = [g for g in expert_groups(shapes, max_elems=10 * 4096) if "gate_proj" in g]
+    assert runs == [f"model.layers.1.mlp.experts.{a}-{min(a + 10, 64)}.gate_proj.weight" for a in range(0, 64, 10)]
+    # an expert bigger than max_elems travels alone, under its own name
+    assert expert_groups(shapes, max_elems=4095) == {n: [n] for n in shapes}
+
+
+def test_experts_that_do_not_stack_travel_alone():
+    gap = {n: s for n, s in _experts(4).items() if ".2.gate_proj" not in n}  # expert 2's gate missing
+    groups = expert_groups(gap)
+    assert [g for g in groups if "gate_proj" in g] == [f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
+                                                       for e in (0, 1, 3)]
+    assert "model.layers.1.mlp.experts.0-4.up_proj.weight" in groups
+    odd = {**_experts(4), "model.layers.1.mlp.experts.3.up_proj.weight": (16, 128)}
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in expert_groups(odd)
+
+
+def test_a_stack_is_cut_for_tp_like_each_of_its_experts():
+    for name, shape in (("gate_proj", (32, 128)), ("down_proj", (128, 32))):
+        one = vllm_tp_box(f"model.layers.1.mlp.experts.5.{name}.weight", shape, 2, 1)
+        assert vllm_tp_box(f"model.layers.1.mlp.experts.4-8.{name}.weight", (4, *shape), 2, 1) == ((0, 4), *one)

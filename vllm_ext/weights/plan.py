@@ -13,6 +13,9 @@ trainer ranks, the replicas and a planner on a laptop all derive the same plan.
 * ``reshard`` intersects them: every needed box is covered exactly once by pieces,
   each piece sent by one rank that owns it (replicated ownership is spread over the
   owners by bytes), so no rank sends what it does not hold and nothing is gathered.
+* The tensors the plan moves are the checkpoint's, except that a projection's
+  per-expert tensors travel stacked (``expert_groups``): both ends derive the same
+  wire layout from the same HF shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Box", "Piece", "TpRules", "fsdp_boxes", "vllm_tp_box", "replica_needs", "reshard", "box_numel",
-           "intersect", "check_cover"]
+           "intersect", "check_cover", "expert_groups", "expert_members", "wire_shapes", "EXPERT_GROUP_ELEMS"]
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim of the global tensor
 
@@ -77,8 +80,61 @@ class TpRules:
     vocab: str = r"(embed_tokens|lm_head)\.weight$"
 
 
+# a wire tensor of stacked experts holds at most this many elements (8 MB in bf16); at least one expert
+EXPERT_GROUP_ELEMS = 1 << 22
+_EXPERT = re.compile(r"^(.+\.experts\.)(\d+)(\..+)$")
+_GROUP = re.compile(r"^(.+\.experts\.)(\d+)-(\d+)(\..+)$")
+
+
+def expert_groups(shapes: Mapping[str, Sequence[int]], max_elems: int = EXPERT_GROUP_ELEMS) -> dict[str, list[str]]:
+    """The sharded transport's wire tensors: name -> the HF tensors it carries, in ``shapes``' order.
+
+    Every cost of an update past the bytes (planning, reading, framing, hashing, placing,
+    vLLM's weight-loader calls) is paid per tensor, and a checkpoint stores one tensor per
+    expert and projection: 576 of tiny Kimi-K2's 633, 69,000 of Kimi-K2 1T's. So the
+    experts of one projection (``<p>.experts.<e>.<s>`` for experts 0..E-1, one shape)
+    travel as runs of consecutive experts stacked on a new dim 0, ``<p>.experts.<a>-<b>.<s>``
+    for experts a..b-1, each run at most ``max_elems`` elements; a run of one expert, and
+    every other tensor, travels as itself."""
+    runs: dict[tuple[str, str], dict[int, str]] = {}
+    for n in shapes:
+        if m := _EXPERT.match(n):
+            runs.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = n
+    out: dict[str, list[str]] = {}
+    for n, shape in shapes.items():
+        m = _EXPERT.match(n)
+        members = runs.get((m.group(1), m.group(3)), {}) if m else {}
+        if not members or sorted(members) != list(range(len(members))) \
+                or any(tuple(shapes[x]) != tuple(shape) for x in members.values()):
+            out[n] = [n]
+            continue
+        e = int(m.group(2))
+        k = max(1, max_elems // max(1, box_numel(full_box(shape))))
+        if k == 1:
+            out[n] = [n]
+        elif e % k == 0:
+            hi = min(e + k, len(members))
+            out[f"{m.group(1)}{e}-{hi}{m.group(3)}"] = [members[i] for i in range(e, hi)]
+    return out
+
+
+def expert_members(name: str) -> list[str] | None:
+    """The HF tensors a stack of experts carries, in order (None: ``name`` is not a stack)."""
+    if (m := _GROUP.match(name)) is None:
+        return None
+    return [f"{m.group(1)}{e}{m.group(4)}" for e in range(int(m.group(2)), int(m.group(3)))]
+
+
+def wire_shapes(shapes: Mapping[str, Sequence[int]], groups: Mapping[str, Sequence[str]]) -> dict[str, tuple[int, ...]]:
+    """Each wire tensor's shape: a stack of experts is (experts, *one expert's shape)."""
+    return {g: tuple(shapes[g]) if list(ms) == [g] else (len(ms), *shapes[ms[0]]) for g, ms in groups.items()}
+
+
 def vllm_tp_box(name: str, shape: Sequence[int], tp: int, rank: int, rules: TpRules = TpRules()) -> Box:
-    """The box of HF tensor ``name`` that vLLM's TP rank ``rank`` of ``tp`` loads."""
+    """The box of HF tensor ``name`` that vLLM's TP rank ``rank`` of ``tp`` loads (of each
+    expert alike, for a stack of experts)."""
+    if _GROUP.match(name) and len(shape) == 3:
+        return ((0, int(shape[0])), *vllm_tp_box(name, shape[1:], tp, rank, rules))
     box = full_box(shape)
     if tp == 1 or len(shape) != 2:
         return box

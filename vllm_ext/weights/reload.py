@@ -12,7 +12,8 @@ also takes all experts of a projection as one ``[E, ...]`` tensor (its full load
 path of checkpoints that store experts fused), so ``ExpertStacks`` gathers a layer's
 per-expert tensors into that stack as they stream in and makes one call per layer and
 projection (9 for tiny Kimi-K2): the reload runs about 3x faster there, and the loaded
-model is tensor-for-tensor the same.
+model is tensor-for-tensor the same. The sharded transport already carries experts
+stacked (``plan.expert_groups``); their runs go into the same stacks.
 
 Only experts a stack can place exactly are stacked: unquantized ones, every expert of
 the layer local to this worker (no expert parallel or redundant experts), under the
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .format import WeightUpdateError
+from .plan import expert_members
 
 __all__ = ["ExpertStacks", "reload"]
 
@@ -65,22 +67,36 @@ class ExpertStacks:
         self.stacks: dict[tuple[int, str, str], tuple[_Slot, _Stack]] = {}
 
     def route(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``items`` less the expert tensors, which go into their stacks; a completed stack is loaded at once."""
+        """``items`` less the expert tensors, which go into their stacks; a completed stack is
+        loaded at once. An item may itself be a run of experts (``plan.expert_members``: the
+        sharded transport's wire layout); where those cannot stack it passes on per expert."""
         self.stacks = {}
         for name, t in items:
-            slot = self.slots.get(name)
-            if slot is None:
-                yield name, t
-                continue
-            key = (id(slot.module), slot.param, slot.shard)
-            if key not in self.stacks:
-                self.stacks[key] = (slot, _Stack(torch.empty((self.sizes[key], *t.shape), dtype=t.dtype)))
-            _, stack = self.stacks[key]
-            stack.buf[slot.expert].copy_(t)
-            stack.have.add(slot.expert)
-            if len(stack.have) == self.sizes[key]:
-                del self.stacks[key]
-                _load(slot, stack.buf)
+            members = expert_members(name)
+            if members is None:
+                if (slot := self.slots.get(name)) is None:
+                    yield name, t
+                else:
+                    self._put(slot, t.unsqueeze(0))
+            elif all(m in self.slots for m in members):
+                self._put(self.slots[members[0]], t)
+            else:
+                yield from zip(members, t.unbind(0))
+
+    def _put(self, slot: _Slot, t: torch.Tensor) -> None:
+        """Experts ``slot.expert`` .. + ``len(t)`` of ``slot``'s stack; a whole stack loads as it is."""
+        key = (id(slot.module), slot.param, slot.shard)
+        if len(t) == self.sizes[key]:
+            _load(slot, t)
+            return
+        if key not in self.stacks:
+            self.stacks[key] = (slot, _Stack(torch.empty((self.sizes[key], *t.shape[1:]), dtype=t.dtype)))
+        _, stack = self.stacks[key]
+        stack.buf[slot.expert:slot.expert + len(t)].copy_(t)
+        stack.have.update(range(slot.expert, slot.expert + len(t)))
+        if len(stack.have) == self.sizes[key]:
+            del self.stacks[key]
+            _load(slot, stack.buf)
 
     def check(self) -> None:
         """Every stack was completed: an update that lacks experts is refused (its callers check
@@ -91,10 +107,11 @@ class ExpertStacks:
                 f"{self.sizes[key]}" for key, (slot, stack) in self.stacks.items()))
 
 
-def _load(slot: _Slot, t: torch.Tensor) -> None:
-    """The module's own weight loader (wrapped by the layerwise reload at call time): full load for a stack."""
+def _load(slot: _Slot, stack: torch.Tensor) -> None:
+    """The module's own weight loader (wrapped by the layerwise reload at call time), its full
+    load: every expert of the projection at once."""
     param = getattr(slot.module, slot.param)
-    param.weight_loader(param, t, f"{slot.module.layer_name}.{slot.param}", slot.shard, slot.expert)
+    param.weight_loader(param, stack, f"{slot.module.layer_name}.{slot.param}", slot.shard, 0)
 
 
 def _expert_slots(module: torch.nn.Module) -> dict[str, _Slot]:

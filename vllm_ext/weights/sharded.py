@@ -339,7 +339,9 @@ class ShardedReceiver:
             except Exception as exc:  # noqa: BLE001 - reported as the update's error
                 errors[i] = str(exc)
 
+        t0 = time.perf_counter()
         _parallel(verify, infos)
+        t1 = time.perf_counter()
         verified = [i for i in range(len(infos)) if i in digests]
         failure = "; ".join(f"from rank {i}: {e}" for i, e in sorted(errors.items()))
         if not failure:
@@ -355,7 +357,8 @@ class ShardedReceiver:
                 raise WeightUpdateError(failure)
             asm.out.put(None)
             apply(iter(asm.out.get_nowait, None))
-            self.last = {"bytes": asm.received, "senders": len(infos), "passes": 1}
+            self.last = {"bytes": asm.received, "senders": len(infos), "passes": 1, "verify_s": t1 - t0,
+                         "apply_s": time.perf_counter() - t1}
             return asm.received
         asm = _Assembler(needs, dtypes, order, budget)
 
@@ -398,7 +401,8 @@ class ShardedReceiver:
                                     "restores them): " + "; ".join(f"from rank {i}: {e}" for i, e in errors.items()))
         if asm.pending:
             raise WeightUpdateError(f"{len(asm.pending)} tensor(s) incomplete after the apply pass")
-        self.last = {"bytes": asm.received, "senders": len(infos), "passes": 2}
+        self.last = {"bytes": asm.received, "senders": len(infos), "passes": 2, "verify_s": t1 - t0,
+                     "apply_s": time.perf_counter() - t1}
         return asm.received
 
     def close(self) -> None:
