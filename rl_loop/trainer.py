@@ -22,6 +22,7 @@ usage: torchrun --nproc_per_node N -m rl_loop.trainer RUN_DIR
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -223,9 +224,15 @@ class ShardedPublisher:
         write_atomic(sync_dir(run_dir, version) / f"rank{self.rank}.json", lambda t: t.write_text(json.dumps(infos)))
         read = self.reader = OwnedReader(self.model.state_dict(), self.wire_dtype, after=self.reader)
         t0 = time.perf_counter()
-        nbytes = self.sender.send(self.pieces, lambda p: read(self.slices[p.name], p.box),
-                                  self.dtypes, self.shapes, version,
-                                  gone=lambda k: written_off(run_dir, version, self.replica_of[k]))
+        # No cyclic garbage collection while the replicas wait: a full collection over the trainer's
+        # heap stalled some sends here by 0.3-0.5 s (the reads of 14.7 MB took 0.02-0.05 s otherwise).
+        gc.disable()
+        try:
+            nbytes = self.sender.send(self.pieces, lambda p: read(self.slices[p.name], p.box),
+                                      self.dtypes, self.shapes, version,
+                                      gone=lambda k: written_off(run_dir, version, self.replica_of[k]))
+        finally:
+            gc.enable()
         return {"bytes": nbytes, "send_s": time.perf_counter() - t0, "lanes": sorted(set(self.sender.lanes.values()))}
 
 

@@ -16,9 +16,14 @@ before it:
   (control on ``channel.py``, bytes through ``shm.py`` or gloo broadcasts);
 * ``peak_rss.py``: the peak resident memory of a stretch of work (the bound a
   sharded update promises, logged by the engine and held to in a test);
+* ``plan.py`` and ``sharded.py``: the resharding plan (which trainer rank sends
+  which box to which replica worker, experts stacked on the wire) and the
+  sharded transport that carries it;
+* ``reload.py``: applying an update to the served model: vLLM's layerwise
+  reload, each MoE layer's experts loaded as one stack per projection;
 * ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
-  ``moerl``): receive whole, check against the served checkpoint's layout, apply
-  with vLLM's layerwise reload, roll back on failure;
+  ``moerl``): receive, check against the served checkpoint's layout, apply
+  (``reload.py``), roll back on failure;
 * ``api.py``: policy version in every completion/chat response, update state on
   ``/metrics`` (``vllm_ext.metrics``);
 * ``client.py``: the trainer-side driver (HTTP, stdlib only): pause(keep) ->
