@@ -13,7 +13,7 @@ from .model import MODELS, load_arch, param_counts
 from .rates import RESULTS_DIR, Rates
 from .report import plan_dict, plan_text, rates_text, weights_text
 from .search import make_plan, search
-from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, plan_weight_sync
+from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, loader_tensors, plan_weight_sync
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -138,7 +138,9 @@ def run_weights(argv: list[str]) -> int:
     setup = WeightSyncSetup(params=param_counts(arch).total, trainer_gpus=a.trainer_gpus,
                             replicas=a.inference_gpus // a.gpus_per_replica, gpus_per_replica=a.gpus_per_replica,
                             trainer_link_gbps=a.trainer_link_gbps, inference_link_gbps=a.inference_link_gbps,
-                            dtype=a.dtype)
+                            dtype=a.dtype,
+                            # reload.py stacks unquantized experts only; block-fp8 ones load one by one, with scales
+                            loader_tensors=loader_tensors(arch, stacked=a.dtype == "bf16", scales=a.dtype == "fp8"))
     rates = Rates(a.results)
     plan, lanes = plan_weight_sync(setup, rates), lane_rates(rates)
     if a.json:

@@ -16,6 +16,7 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MOE_BLOCK = "moe_block_h200.json"
 WEIGHT_SYNC = "weight_sync.json"
+WEIGHT_RELOAD = "weight_reload.json"
 CP = "cp_h200.json"
 TRAIN_STEP = "train_step_h200.json"
 

@@ -90,8 +90,10 @@ def weights_text(setup: WeightSyncSetup, p: WeightSyncPlan, lanes: dict[str, Rat
         f"  each trainer GPU sends {p.trainer_gpu_sends / GB:.2f} GB at {setup.trainer_link_gbps:g} GB/s; "
         f"each inference GPU receives {p.inference_gpu_receives / GB:.2f} GB and forwards "
         f"{p.inference_gpu_sends / GB:.2f} GB at {setup.inference_link_gbps:g} GB/s",
+        f"  apply: {setup.loader_tensors} tensors per inference GPU through vLLM's weight loaders "
+        f"x {p.per_tensor_s.value * 1e3:.3f} ms [{p.per_tensor_s.source}] = {p.apply_s:.2f} s",
         f"  predicted update: transfer {p.transfer_s:.2f} s + pause-to-resume {p.pause_s.value:.2f} s "
-        f"[{p.pause_s.source}] = {p.total_s:.2f} s",
+        f"[{p.pause_s.source}] + apply {p.apply_s:.2f} s = {p.total_s:.2f} s",
         "  moerl's lanes as measured on one host, one sender and one receiver (for links of that kind):",
         *(f"    {lane}: {rate}" for lane, rate in lanes.items()),
     ])

@@ -19,7 +19,7 @@ from rl_loop.plan.model import load_arch, param_counts
 from rl_loop.plan.rates import CP, Rates
 from rl_loop.plan.search import make_plan
 from rl_loop.plan.step_time import attention_seconds
-from rl_loop.plan.weights import WeightSyncSetup, lane_rates, transfer_seconds
+from rl_loop.plan.weights import WeightSyncSetup, lane_rates, loader_tensors, transfer_seconds
 from tests.conftest import VENV_BIN
 
 RATES = Rates()
@@ -128,6 +128,36 @@ def test_weight_update_time_matches_measured_stream_runs():
         assert abs(seconds / run["seconds"] - 1) < 0.15, (run["key"], seconds, run["seconds"])
         checked += 1
     assert checked >= 4
+
+
+def test_loader_tensors_count_the_checkpoint_and_the_measured_reloads(tiny_checkpoint):
+    """The apply term's tensor count: tiny Kimi-K2's checkpoint, per expert and stacked, is what
+    weight_reload.json counted in its run, and what the model derives from the arch."""
+    from safetensors import safe_open
+
+    arch = load_arch("kimi_k2", "tiny")
+    with safe_open(str(tiny_checkpoint("kimi_k2") / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    experts = [n for n in names if ".experts." in n and "shared_experts" not in n]
+    stacked = len(names) - len(experts) + 3 * (arch.n_layers - arch.n_dense_layers)
+    measured = RATES.file("weight_reload.json")
+    assert loader_tensors(arch, stacked=False) == len(names) == measured["per_expert"]["tensors"]
+    assert loader_tensors(arch) == stacked == measured["stacked"]["tensors"]
+    # the measured cost per tensor explains the measured gap (its definition) and is positive
+    assert measured["per_tensor_s"] > 0 and measured["per_expert"]["median_s"] > measured["stacked"]["median_s"]
+
+
+def test_plan_weights_command_adds_the_apply_term():
+    out = subprocess.run([str(VENV_BIN / "moerl"), "plan", "weights", "--model", "kimi_k2", "--trainer-gpus", "128",
+                          "--ep", "8", "--inference-gpus", "256", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    arch = load_arch("kimi_k2")
+    plan, per_tensor = got["plan"], RATES.file("weight_reload.json")["per_tensor_s"]
+    assert got["setup"]["loader_tensors"] == loader_tensors(arch) < loader_tensors(arch, stacked=False) / 50
+    assert plan["per_tensor_s"] == {"value": per_tensor, "source": "weight_reload.json: per_tensor_s"}
+    assert plan["apply_s"] == pytest.approx(loader_tensors(arch) * per_tensor)
+    assert plan["total_s"] == pytest.approx(plan["transfer_s"] + plan["pause_s"]["value"] + plan["apply_s"])
 
 
 def test_weight_update_ways():

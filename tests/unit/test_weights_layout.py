@@ -79,7 +79,8 @@ def test_weights_package_import_graph_is_acyclic():
     assert w["sharded"] == {"format", "plan", "shm", "stream"}
     assert w["served"] == set()  # the served policy version: told to subscribers, knows no transport
     assert w["peak_rss"] == set()  # the worker's peak memory over an update, read from /proc
-    assert w["engine"] == {"format", "wire", "stream", "plan", "sharded", "served", "peak_rss"}
+    assert w["reload"] == {"format", "plan"}  # applying an update: experts stacked, names from the wire layout
+    assert w["engine"] == {"format", "wire", "stream", "plan", "sharded", "served", "peak_rss", "reload"}
     assert w["client"] == {"wire", "stream", "shm"}  # function-level imports: seen
     assert w[PACKAGE] == {"api"}  # `from . import api` inside register()
 
