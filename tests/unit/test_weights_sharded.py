@@ -7,6 +7,7 @@ refuses a layout mismatch before applying anything, and keeps only bounded memor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -179,9 +180,12 @@ def test_worker_memory_during_an_update_stays_within_its_buckets_not_the_update(
     ring = RingShape(2, MiB)
     senders = [ShardedSender(r, 1, timeout_s=60, bucket_bytes=MiB, shm=ring) for r in range(RANKS)]
     job = {"budget": 2 * MiB, "needs": need, "shapes": shapes}
+    # glibc's dynamic mmap threshold would keep freed 1 MiB buffers in the heap after the first few
+    # (the same code measured 2-20 MiB across runs): a fixed threshold makes the peak follow what is held
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     child = subprocess.Popen([sys.executable, "-c", "from tests.unit.test_weights_sharded import "
                               "receive_and_measure as m; m()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, cwd=Path(__file__).resolve().parents[2])
+                             text=True, cwd=Path(__file__).resolve().parents[2], env=env)
     try:
         for version in (5, 6):
             infos = [s.update_infos(version)[0] for s in senders]
