@@ -75,6 +75,16 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def wire_tensors(tensors: dict, max_elems: int | None = None) -> dict:
+    """HF-named tensors in the sharded transport's wire layout (``plan.expert_groups``: experts stacked)."""
+    import torch
+
+    from vllm_ext.weights.plan import EXPERT_GROUP_ELEMS, expert_groups
+
+    groups = expert_groups({n: tuple(t.shape) for n, t in tensors.items()}, max_elems or EXPERT_GROUP_ELEMS)
+    return {g: tensors[g] if ms == [g] else torch.stack([tensors[m] for m in ms]) for g, ms in groups.items()}
+
+
 def corrupt_first_ring_piece(publish: Callable) -> Callable:
     """A `shm.RingWriter._publish` that flips a byte of a ring's first piece after its sender
     hashed it (what a bad copy or link does), then publishes it with `publish`."""

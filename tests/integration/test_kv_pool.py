@@ -86,12 +86,21 @@ class Pool:
         assert rec.start == 0 and rec.num_rows == PROMPT_LEN + 4 - 1
         return choice["text"], rec
 
-    def wait_pooled(self, puts_before: float, blocks: int, timeout_s: float = 30.0) -> None:
-        """Until A's puts of `blocks` KV blocks and their routing rows have completed."""
+    def wait_pooled(self, puts_before: float, blocks: int, timeout_s: float = 30.0,
+                    failed_before: float | None = None) -> bool:
+        """Until A's puts of `blocks` KV blocks and their routing rows have completed (True); with
+        `failed_before` (the master's failed batch items when the puts began), False as soon as one
+        of them failed."""
         deadline = time.time() + timeout_s
         while self.master.completed_puts() < puts_before + 2 * blocks:
+            if failed_before is not None and self.failed_puts() > failed_before:
+                return False
             assert time.time() < deadline, f"pool holds {self.master.metrics()} after {timeout_s}s"
             time.sleep(0.2)
+        return True
+
+    def failed_puts(self) -> float:
+        return self.master.metrics().get("master_batch_put_end_failed_items_total", 0)
 
     def pooled_by_a(self, rounds: int = 3):
         """(prompt, A's (text, record)) for a fresh prompt whose blocks A put into the pool. A put the
@@ -99,16 +108,9 @@ class Pool:
         only those blocks, which a replica then recomputes; the test then takes a fresh prompt."""
         for _ in range(rounds):
             prompt = self.prompt()
-            m = self.master.metrics()
-            puts, failed = self.master.completed_puts(), m.get("master_batch_put_end_failed_items_total", 0)
+            puts, failed = self.master.completed_puts(), self.failed_puts()
             out = self.generate("A", prompt)
-            deadline = time.time() + 30.0
-            while self.master.completed_puts() < puts + 2 * BLOCKS:
-                if self.master.metrics().get("master_batch_put_end_failed_items_total", 0) > failed:
-                    break
-                assert time.time() < deadline, f"pool holds {self.master.metrics()} after 30 s"
-                time.sleep(0.2)
-            else:
+            if self.wait_pooled(puts, BLOCKS, failed_before=failed):
                 return prompt, out
         raise AssertionError(f"every one of {rounds} prompts lost a put: {self.master.metrics()}")
 

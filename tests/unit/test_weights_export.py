@@ -95,10 +95,11 @@ WORKER = textwrap.dedent('''
         want = ref[s.name][tuple(slice(a, b) for a, b in s.box)]
         assert torch.equal(read(s, s.box), want), s
     # the same in the sharded transport's wire layout (each rank's experts of a stack read in one piece)
+    from tests.conftest import wire_tensors
     from titan_ext.weights import wire_slices
     from vllm_ext.weights.plan import expert_groups
     groups = expert_groups({k: tuple(v.shape) for k, v in ref.items()})
-    wire = {g: ref[g] if ms == [g] else torch.stack([ref[m] for m in ms]) for g, ms in groups.items()}
+    wire = wire_tensors(ref)
     assert len(wire) < len(ref)
     mine_wire = wire_slices(mine, groups)
     for s in mine_wire:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -20,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from vllm import LLM
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm_ext.weights.format import WeightUpdateError
-    from vllm_ext.weights.plan import expert_groups
+    from tests.conftest import wire_tensors
     from vllm_ext.weights.reload import ExpertStacks
 
     ckpt = sys.argv[1]
@@ -58,9 +59,7 @@ SCRIPT = textwrap.dedent("""
     stacked = state()
     out["differ"] = sorted(k for k in per_expert if not torch.equal(per_expert[k], stacked[k]))
     # the sharded transport's wire layout: runs of 10 experts (the last one short), stacked
-    groups = expert_groups({k: tuple(v.shape) for k, v in new}, max_elems=10 * 32 * 128)
-    byname = dict(new)
-    wire = [(g, byname[g] if ms == [g] else torch.stack([byname[m] for m in ms])) for g, ms in groups.items()]
+    wire = list(wire_tensors(dict(new), max_elems=10 * 32 * 128).items())
     load(start, ExpertStacks(model, {}))
     out["wire_items"] = len(wire)
     out["wire_calls"] = load(wire, ExpertStacks(model, dict(start)))
@@ -80,7 +79,7 @@ def test_stacked_experts_load_the_same_model_in_few_calls(tiny_checkpoint):
     ckpt = tiny_checkpoint("kimi_k2", init_scale=0.1)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "moerl_routing"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt)], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])  # the script imports tests.conftest
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1].removeprefix("RESULT "))

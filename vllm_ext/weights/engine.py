@@ -130,6 +130,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         if self.expected is None:
             logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",
                            self.model_config.model)
+        self.wire = wire_layout(self.expected) if self.expected is not None else None
         self.stacks = ExpertStacks(model, self.expected or {})
         self.receiver = StreamReceiver()  # buffers, gloo groups and ring kept between updates
         self.sharded = ShardedReceiver()
@@ -202,12 +203,11 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         if not info.workers or len(info.workers) != tp:
             raise WeightUpdateError(f"sharded update names {len(info.workers or [])} workers, this replica has TP {tp}")
         rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
-        wire = wire_layout(self.expected)
-        needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in wire.items()}
+        needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.wire.items()}
         t0 = time.perf_counter()
         rss0 = peak_rss.reset()
         try:
-            nbytes = self.sharded.receive(info.workers[rank], needs, wire, self._load,
+            nbytes = self.sharded.receive(info.workers[rank], needs, self.wire, self._load,
                                           version=info.version, agree=_tp_agree)
         except BaseException:
             _tp_agree(False)
