@@ -142,3 +142,30 @@ def test_to_fp8_moe_block_close_to_bf16(model):
 
 def test_triton_quant_kernels_match_torch_under_the_interpreter():
     run_interpreted_cases(HERE / "fp8_quant_interpreted_cases.py", 11)
+
+
+def test_selective_checkpointing_sees_no_weight_quantisation():
+    """The weight cache may hit in the forward and miss in the recompute (here: dropped in between;
+    in `torchtitan train --titan_ext.fp8` with EP 2, storage moved under FSDP). Selective activation
+    checkpointing counts every op it sees, so a quantisation it saw only in the recompute failed the
+    backward: `aten.amax.default invocation index 10 encountered during backward but not found in
+    storage` (CI run 19). The gradients must be those of the block without checkpointing."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    fp8 = to_fp8(_moe("kimi_k2"))
+    x = torch.randn(2, 16, fp8.router.gate.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    fp8(x)  # fills the weight cache: the checkpointed forward hits it
+    grads = []
+    for checkpointed in (False, True):
+        fp8.zero_grad()
+        if checkpointed:
+            y = checkpoint(fp8, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(
+                lambda ctx, func, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE))
+            drop_cached_weights(fp8)  # the recompute misses
+        else:
+            y = fp8(x)
+        y.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in fp8.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) >= 7
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE, RoutedExperts
 
@@ -96,10 +97,16 @@ def quantise_weights(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.T
 
 
 def cached_weights(owner: torch.nn.Module, w1, w3, w2) -> Fp8Weights:
-    """The fp8 weights of `owner`, re-quantised only when a parameter changed (version or storage)."""
+    """The fp8 weights of `owner`, re-quantised only when a parameter changed (version or storage).
+
+    The quantisation runs outside any dispatch mode: the cache can hit in a checkpointed forward and
+    miss in its recompute (FSDP may move the storage in between), and selective activation
+    checkpointing, which counts every op it sees, fails a backward that meets ops its forward did not
+    (`aten.amax.default invocation index 10 encountered during backward but not found in storage`)."""
     cached = owner.__dict__.get("_fp8_weights")
     if cached is None or cached.key != _weights_key((w1, w3, w2)):
-        cached = quantise_weights(w1, w3, w2)
+        with _disable_current_modes():
+            cached = quantise_weights(w1, w3, w2)
         owner.__dict__["_fp8_weights"] = cached
     return cached
 
