@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import placement
+from .shm_segments import group_segments, remove_unused
 
 PLUGIN = "moerl_routing"
 
@@ -37,6 +38,7 @@ class Replica:
     updating: bool = False
     policy_version: int = 0
     in_flight: int = 0
+    segments: frozenset[str] = frozenset()  # /dev/shm paths its processes mapped once healthy
 
 
 class ServerStartError(RuntimeError):
@@ -125,6 +127,8 @@ def wait_healthy(replicas: list[Replica], timeout_s: float = 600.0) -> None:
                 with urllib.request.urlopen(r.base_url + "/health", timeout=2) as resp:
                     if resp.status == 200:
                         pending.remove(r)
+                        if r.process is not None:
+                            r.segments = frozenset(group_segments(r.process.pid))
             except OSError:
                 pass
         if pending and time.time() > deadline:
@@ -176,7 +180,13 @@ def stop_process_group(proc: subprocess.Popen | None, timeout_s: float, kill_wai
 
 
 def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:
+    """Stop the server (if we started it) and remove the shared-memory segments it left, also
+    when it was killed before this."""
+    segments = set(replica.segments)
+    if replica.process is not None and replica.process.poll() is None:
+        segments |= group_segments(replica.process.pid)
     stop_process_group(replica.process, timeout_s, kill_wait_s=30)
+    remove_unused(segments)
 
 
 def served_model_name(replica: Replica) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rl_loop.shm_segments import group_segments
 from tests.conftest import ROOT
 from vllm_ext.routing.handoff import server_segments
 from vllm_ext.weights.shm import PREFIX, SHM_DIR
@@ -79,8 +80,9 @@ def _run_to_end(run_dir: Path, *extra: str, port: int) -> tuple[int, str]:
 @dataclass
 class Faults:
     """What the two runs left: the killed run's exit, output and trainer processes still running; the
-    shared-memory segments of the killed trainer and the killed replica still in /dev/shm; the step
-    after which the resumed run lost replica r1; the resumed run's exit and output; the run directory."""
+    shared-memory segments of the killed trainer and the killed replica (its routing records, vLLM's
+    message queues) still in /dev/shm; the step after which the resumed run lost replica r1; the
+    resumed run's exit and output; the run directory."""
 
     killed_rc: int
     killed_out: str
@@ -118,12 +120,16 @@ def faults(tmp_path_factory) -> Faults:
     try:
         _wait_for_step(proc, run_dir, after)
         killed_replica = _listener(PORT + 1).pid
+        # vLLM's engine-worker message queues (its process group is its own)
+        vllm_segments = [p for p in group_segments(killed_replica) if os.path.basename(p).startswith("psm_")]
+        assert vllm_segments
         _kill_tree(killed_replica)  # replica r1 and its engine/worker children
         resumed_out = _finish(proc)
     finally:
         if proc.poll() is None:
             _kill_tree(proc.pid)
     replica_segments = server_segments(killed_replica)  # its routing records
+    replica_segments += [p for p in vllm_segments if os.path.exists(p)]
     return Faults(killed_rc, killed_out, orphans, trainer_rings, replica_segments, after, proc.returncode,
                   resumed_out, run_dir)
 
@@ -134,7 +140,7 @@ def test_killed_replica_groups_are_resent_and_the_run_completes(faults):
     assert [r["step"] for r in records] == list(range(1, 10))
     summary = json.loads((faults.run_dir / "summary.json").read_text())
     assert summary["resent_groups"] + summary["failed_syncs"] >= 1, summary
-    assert not faults.replica_segments, "the killed replica's routing segments outlived the run"
+    assert not faults.replica_segments, "the killed replica's shared-memory segments outlived the run"
     # every step still trained on full groups: nothing silently lost
     assert all(r["samples"] == 4 * 8 for r in records)
     assert records[-1]["replica_versions"] == {"r0": 9}

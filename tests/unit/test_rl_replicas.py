@@ -1,12 +1,19 @@
-"""Managed vLLM servers: limits read from the checkpoint, and why a server did not start, in one line."""
+"""Managed vLLM servers: limits read from the checkpoint, why a server did not start, in one line, and
+the shared-memory segments a stopped server leaves."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing import shared_memory
 
 import pytest
 
 from rl_loop.replicas import checkpoint_context, fit_context, last_error_line, server_command
+from rl_loop.shm_segments import SHM_DIR, group_segments, remove_unused
 
 
 def _checkpoint(tmp_path, **cfg):
@@ -73,3 +80,35 @@ See stack trace for root cause.
 ])
 def test_last_error_line_finds_the_cause(log, line):
     assert last_error_line(log) == line
+
+
+_HOLDER = """
+import sys, time
+from multiprocessing import shared_memory
+seg = shared_memory.SharedMemory(create=True, size=1 << 20)
+print(seg.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_groups_segments_are_removed_and_a_segment_still_mapped_is_kept():
+    """A server killed by a signal leaves its /dev/shm segments (vLLM's message queues): read while
+    its group lives, they are unlinked after it died; one that a live process maps stays."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    kept = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        theirs = str(SHM_DIR / proc.stdout.readline().strip())
+        found = group_segments(proc.pid)
+        assert theirs in found and f"{SHM_DIR}/{kept.name}" not in found, found
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert os.path.exists(theirs)  # a killed process unlinks nothing
+        mine = f"{SHM_DIR}/{kept.name}"
+        assert remove_unused([theirs, mine]) == [theirs]
+        assert not os.path.exists(theirs) and os.path.exists(mine)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kept.close()
+        kept.unlink()
