@@ -216,3 +216,44 @@ def test_worker_memory_during_an_update_stays_within_its_buckets_not_the_update(
     print(f"peak extra {got['peak_extra'] / MiB:.1f} MiB for a {update / MiB:.0f} MiB update "
           f"(bound {(held + metadata) / MiB:.0f} MiB)")
     assert got["peak_extra"] <= held + metadata
+
+
+def test_two_replicas_of_one_layout_get_each_piece_read_once():
+    """Two TP=1 replicas need the same boxes: the sender reads each piece once for both lanes
+    (``_SharedReads``), and both replicas still get every tensor bit for bit."""
+    w = weights()
+    shapes = {n: tuple(t.shape) for n, t in w.items()}
+    need = replica_needs(shapes, 1)[0]
+    pieces = reshard(list(shapes), fsdp_owned(shapes, 1), [need, need])
+    sender = ShardedSender(0, 2, timeout_s=30, bucket_bytes=16 << 10, shm=RingShape(2, 4096))  # caches 32 KiB
+    infos = sender.update_infos(5)
+    expected = {n: TensorMeta(n, "bfloat16", s) for n, s in shapes.items()}
+    reads, got, errors = [], [{}, {}], []
+
+    def read(p):
+        reads.append((p.name, p.box))
+        return w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous()
+
+    def receive(i):
+        receiver = ShardedReceiver()
+        try:
+            receiver.receive([infos[i]], need, expected, lambda it: got[i].update((k, v.clone()) for k, v in it),
+                             version=5, budget=64 << 10)
+        except WeightUpdateError as exc:
+            errors.append(str(exc))
+        finally:
+            receiver.close()
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        sender.send(pieces, read, {n: dtype_name(t.dtype) for n, t in w.items()}, shapes, 5)
+    finally:
+        for t in threads:
+            t.join(60)
+        sender.close()
+    assert not errors
+    assert len(pieces) == 2 * len(shapes) and sorted(reads) == sorted(set(reads)), "each piece read once"
+    for g in got:
+        assert sorted(g) == sorted(w) and all(torch.equal(g[n], w[n]) for n in w)

@@ -37,7 +37,11 @@ from .format import ReceiverLost
 
 __all__ = ["Groups", "SenderChannel", "ReceiverChannel", "CONNECT_TIMEOUT_S"]
 
-_POLL_MAX_S = 0.02  # the longest sleep between two looks for a receiver's report
+# The longest sleep between two looks for a receiver's report: half of it is, on average, added to
+# the update once the receiver has joined (its pause already started), and one look (a store round
+# trip, 50-100 us) costs the waiting sender 1-2% of a core. (`store.wait` with a short timeout would
+# wake at once, but c10d logs two warnings on every timeout.)
+_POLL_MAX_S = 0.005
 # A sender's store listens before its join info is handed out, so a receiver that cannot connect
 # within this long will not (the sender died, or its host is unreachable), instead of retrying
 # for the whole operation timeout.

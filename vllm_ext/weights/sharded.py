@@ -76,6 +76,41 @@ def _manifest_extra(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]]
                         "order": {p.name: pos[p.name] for p in pieces}}}
 
 
+class _SharedReads:
+    """``read(piece)`` once for all receivers that need the same box (replicas of one layout),
+    within ``budget`` bytes: the lanes run side by side, so a piece one lane reads is soon taken
+    by the others and the cache holds only their lag; past the budget a lane reads for itself.
+    Reading is the trainer's copy and cast of its shard; per extra replica it was about a third
+    of a small update's send time."""
+
+    def __init__(self, read: Callable[[Piece], torch.Tensor], per: Sequence[Sequence[Piece]], budget: int):
+        self.read, self.budget, self.held = read, budget, 0
+        self.wanted: dict[tuple, int] = {}
+        for mine in per:
+            for p in mine:
+                self.wanted[(p.name, p.box)] = self.wanted.get((p.name, p.box), 0) + 1
+        self.cache: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, p: Piece, phase: str) -> torch.Tensor:
+        key = (phase, p.name, p.box)
+        with self.lock:
+            if (hit := self.cache.pop(key, None)) is not None:
+                t, left = hit
+                if left > 1:
+                    self.cache[key] = (t, left - 1)
+                else:
+                    self.held -= t.nbytes
+                return t
+        t = self.read(p)
+        with self.lock:
+            others = self.wanted[(p.name, p.box)] - 1
+            if others and self.held + t.nbytes <= self.budget:
+                self.cache[key] = (t, others)
+                self.held += t.nbytes
+        return t
+
+
 class ShardedSender:
     """One trainer rank's end: a ``StreamSender`` per receiver worker, kept across updates.
 
@@ -90,6 +125,7 @@ class ShardedSender:
                  bucket_bytes: int = 16 << 20, streams: int = 1, shm: RingShape | None = RingShape(),
                  te: bool = False, names: Sequence[str] | None = None, join_timeout_s: float | None = None):
         self.rank = rank
+        self.bucket_bytes = bucket_bytes
         self._new_sender = lambda: StreamSender(2, addr=addr, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
                                                 streams=streams, shm=shm, te=te, join_timeout_s=join_timeout_s)
         self.senders = [self._new_sender() for _ in range(receivers)]
@@ -120,6 +156,7 @@ class ShardedSender:
         phases = [VERIFY] * len(self.senders)
         dropped: set[int] = set()
         lock = threading.Lock()
+        shared = _SharedReads(read, per, 2 * self.bucket_bytes)
 
         def run(r: int, s: StreamSender) -> None:
             mine = per[r]
@@ -129,7 +166,7 @@ class ShardedSender:
             try:
                 for phase in (VERIFY, APPLY):
                     phases[r] = phase
-                    sent[r] = s.send(metas, (read(p) for p in mine), version, session=f"{base}/{phase}",
+                    sent[r] = s.send(metas, (shared(p, phase) for p in mine), version, session=f"{base}/{phase}",
                                      extra=extra, gone=None if gone is None else lambda: gone(r))
                     if s.asks.get(1, {}).get("passes") == 1:  # it kept the first pass (ShardedReceiver)
                         break
