@@ -99,15 +99,15 @@ def corrupt_first_ring_piece(publish: Callable) -> Callable:
 
 # Integration modules that run on the unit tests' worker, beside the server modules, in this order.
 # test_rl_tensor_parallel (one `moerl rl` run, a TP=2 replica and 2 trainer ranks, about 90 s) goes
-# first: it overlaps the server worker's first modules (torchrun numerics, no timing bound) and is
-# done before test_kv_pool's deadline-bound waits begin. The other two load like unit tests (one
-# process at a time, no server, no timing bound). Not the other torchrun modules: beside
-# test_kv_pool's servers, their 2-4 processes made its deadline-bound waits fail.
-BESIDE_SERVERS = ("test_rl_tensor_parallel", "test_qwen3_moe_port", "test_titan_checkpoints")
+# first: it overlaps the server worker's first modules (torchrun numerics, no timing bound). The
+# next two load like unit tests (one process at a time, no server, no timing bound);
+# test_titan_training (torchrun numerics, 3.5 min) evens out the two workers: the unit worker was
+# done 13 minutes before the server worker without it (CI run 21).
+BESIDE_SERVERS = ("test_rl_tensor_parallel", "test_qwen3_moe_port", "test_titan_checkpoints", "test_titan_training")
 # Integration modules that go last on the server worker, after the unit worker is done (its share is
-# the shorter one): test_kv_pool's deadline-bound Mooncake waits failed beside unit tests too
+# the shorter one): test_kv_pool's deadline-bound Mooncake waits failed beside unit tests
 # (CI run 20: pooled gets took 0.25-0.5 s, a pooled prefix came without its routing rows, a KV load
-# failed; run 18: failed puts).
+# failed; run 18: failed puts) and beside torchrun modules.
 LAST = ("test_kv_pool",)
 
 
