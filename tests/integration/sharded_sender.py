@@ -8,8 +8,8 @@ import for the whole test): each line on stdin is one update, ``{"ckpt": DIR, "v
 line), then, its rings closed, "sent <bytes> <lanes>" or "error <message>". Faults: ``corrupt`` flips a byte of
 the first shared-memory piece after it was hashed; ``shape`` announces one tensor transposed;
 ``stall`` stops every sending thread (one per receiver worker, each past its receiver's join)
-at its third piece of the verify pass, where each prints "midway" (the test kills the process
-once all have).
+at the third piece it reads itself in the verify pass (pieces another lane read come from the
+sender's shared reads), where each prints "midway" (the test kills the process once all have).
 
 usage: python tests/integration/sharded_sender.py RANK WORLD --tp 1,2 [--bucket-bytes N] < updates
 """
@@ -61,11 +61,14 @@ def update(rank: int, world: int, tps: list[int], bucket_bytes: int, ckpt: str, 
         announced[name] = shapes[name][::-1]
     RingWriter._publish = _CORRUPT_FIRST if fault == "corrupt" else _PUBLISH
     per_thread = threading.local()  # one sending thread per receiver worker: each stalls halfway
+    say = threading.Lock()  # print() writes the line and its newline apart: two threads' lines interleaved
 
     def read(p):
         per_thread.n = getattr(per_thread, "n", 0) + 1
         if fault == "stall" and per_thread.n == 3:
-            print("midway", flush=True)
+            with say:
+                sys.stdout.write("midway\n")
+                sys.stdout.flush()
             threading.Event().wait()
         return w[p.name][tuple(slice(a, b) for a, b in p.box)].contiguous()
 
