@@ -101,11 +101,11 @@ def main() -> None:
     pool = MooncakePool(rpc_port=args.base_port + 51, metrics_port=args.base_port + 52)
     master = MooncakeMaster(pool, work / "kv_pool")
     master.start()
-    extra, env = connector_args(pool, master.config_path)
     common = {"dtype": "float32", "max_num_seqs": 32, "kv_cache_gib": 0.25}
+    pooled = [connector_args(pool, master.config_path, args.base_port + i) for i in range(2)]
     pairs = {
         "pool": [start_replica(f"pool{i}", ckpt, args.base_port + i, work / "logs", extra=extra, env=env, **common)
-                 for i in range(2)],
+                 for i, (extra, env) in enumerate(pooled)],
         "no_pool": [start_replica(f"local{i}", ckpt, args.base_port + 2 + i, work / "logs", **common)
                     for i in range(2)],
     }

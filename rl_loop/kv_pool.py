@@ -41,9 +41,16 @@ class MooncakePool:
     segment_gib: float = 0.25
 
 
-def connector_args(pool: MooncakePool, config_path: Path) -> tuple[list[str], dict[str, str]]:
-    """vLLM arguments and environment of a replica that pools its KV in `pool`."""
-    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_ext.kv_pool", "kv_role": "kv_both"}
+def connector_args(pool: MooncakePool, config_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM arguments and environment of the replica serving on `port` that pools its KV in `pool`.
+
+    vLLM names the connector's scheduler-to-worker lookup socket by host and `lookup_rpc_port`
+    (default 0), so replicas on one host bound the same IPC path: the last one started took it, and
+    another replica's scheduler asked that replica's worker, whose routing store then got the rows
+    (test_kv_pool, CI runs 20 and 23: a pooled prefix without its routing rows). Each replica's
+    lookup socket is named by its own serving port."""
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_ext.kv_pool", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"lookup_rpc_port": int(port)}}
     env = {"MOONCAKE_CONFIG_PATH": str(config_path), "VLLM_HOST_IP": pool.host}
     return ["--kv-transfer-config", json.dumps(kv)], env
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,15 +165,15 @@ class Orchestrator:
             if not self.replicas:
                 raise ValueError("inference.replicas = 0 needs inference.endpoints")
             return
-        extra, env = self.start_kv_pool()
-        self.replicas = [
-            start_replica(f"r{i}", init, c.base_port + i, self.run_dir / "replicas",
-                          dtype=self.cfg.model.inference_dtype, max_num_seqs=c.max_num_seqs,
-                          kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra, env=env,
-                          cpus=self.placement.replicas[i] if self.placement else None,
-                          tensor_parallel=c.tensor_parallel)
-            for i in range(c.replicas)
-        ]
+        kv_args = self.start_kv_pool()
+        self.replicas = []
+        for i in range(c.replicas):
+            extra, env = kv_args(c.base_port + i)
+            self.replicas.append(start_replica(
+                f"r{i}", init, c.base_port + i, self.run_dir / "replicas", dtype=self.cfg.model.inference_dtype,
+                max_num_seqs=c.max_num_seqs, kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra,
+                env=env, cpus=self.placement.replicas[i] if self.placement else None,
+                tensor_parallel=c.tensor_parallel))
         wait_healthy(self.replicas)
         if version > 0:  # resumed: bring the fresh replicas to the trainer's version
             path = self.wait_for_weights(version)
@@ -180,16 +181,17 @@ class Orchestrator:
                 self.weight_sync(r, path, version)
                 r.policy_version = version
 
-    def start_kv_pool(self) -> tuple[list[str], dict[str, str]]:
-        """Start the mooncake_master when the replicas pool KV; the replicas' vLLM arguments and environment."""
+    def start_kv_pool(self) -> Callable[[int], tuple[list[str], dict[str, str]]]:
+        """Start the mooncake_master when the replicas pool KV; port -> the vLLM arguments and environment of
+        the replica serving on that port."""
         c = self.cfg.inference
         if c.kv_pool == "off":
-            return [], {}
+            return lambda port: ([], {})
         pool = MooncakePool(host=c.kv_pool_host, rpc_port=c.kv_pool_rpc_port, metrics_port=c.kv_pool_metrics_port,
                             segment_gib=c.kv_pool_segment_gib)
         self.kv_master = MooncakeMaster(pool, self.run_dir / "kv_pool")
         self.kv_master.start()
-        return connector_args(pool, self.kv_master.config_path)
+        return lambda port: connector_args(pool, self.kv_master.config_path, port)
 
     # ------------------------------------------------------------------ per step
 

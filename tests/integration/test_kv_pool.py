@@ -63,10 +63,11 @@ class Pool:
         self.ckpt, self.tmp = ckpt, tmp
         self.master = MooncakeMaster(POOL, tmp / "kv_pool")
         self.master.start()
-        args, env = connector_args(POOL, self.master.config_path)
         common = {"dtype": "float32", "max_num_seqs": 8, "kv_cache_gib": 0.25}
-        self.replicas = {n: start_replica(n, ckpt, PORTS[n], tmp / "logs", extra=args if n != "C" else None,
-                                          env=env if n != "C" else None, **common) for n in PORTS}
+        self.replicas = {}
+        for n, port in PORTS.items():
+            args, env = connector_args(POOL, self.master.config_path, port) if n != "C" else (None, None)
+            self.replicas[n] = start_replica(n, ckpt, port, tmp / "logs", extra=args, env=env, **common)
         wait_healthy(list(self.replicas.values()), timeout_s=600)
         self.base = {n: r.base_url for n, r in self.replicas.items()}
         self.model = served_model_name(self.replicas["A"])

@@ -31,9 +31,12 @@ def test_master_and_replicas_listen_where_the_config_says(tmp_path):
     client = json.loads(master.write_client_config().read_text())
     assert client["master_server_address"] == "127.0.0.1:9551" and client["protocol"] == "tcp"
     assert client["global_segment_size"] == "512MB"
-    args, env = connector_args(pool, master.config_path)
+    args, env = connector_args(pool, master.config_path, 8000)
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_module_path"] == "vllm_ext.kv_pool" and kv["kv_role"] == "kv_both"
+    # each replica's scheduler-to-worker lookup socket is its own (vLLM names it by this port)
+    other = json.loads(connector_args(pool, master.config_path, 8001)[0][1])
+    assert kv["kv_connector_extra_config"]["lookup_rpc_port"] != other["kv_connector_extra_config"]["lookup_rpc_port"]
     assert env == {"MOONCAKE_CONFIG_PATH": str(master.config_path), "VLLM_HOST_IP": "127.0.0.1"}
 
 
@@ -48,7 +51,7 @@ def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
         "inference.kv_pool": "mooncake", "inference.kv_pool_rpc_port": 9661, "inference.kv_pool_metrics_port": 9662,
         "run_dir": str(tmp_path / "run"), "inference.cpus": "", "train.cpus": ""})
     orch = Orchestrator(cfg)
-    extra, env = orch.start_kv_pool()
+    extra, env = orch.start_kv_pool()(8000)
     master = orch.kv_master
     try:
         assert master.metrics()["master_key_count"] == 0
