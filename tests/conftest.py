@@ -105,9 +105,9 @@ def corrupt_first_ring_piece(publish: Callable) -> Callable:
 # done 13 minutes before the server worker without it (CI run 21).
 BESIDE_SERVERS = ("test_rl_tensor_parallel", "test_qwen3_moe_port", "test_titan_checkpoints", "test_titan_training")
 # Integration modules that go last on the server worker, after the unit worker is done (its share is
-# the shorter one), so they run alone: test_kv_pool's deadline-bound Mooncake waits. Its intermittent
-# failure (a pooled prefix without its routing rows, then failed pool puts and gets: CI runs 20 and
-# 23) came alone too (run 23), so load is not its cause; that is still open.
+# the shorter one), so they run alone: test_kv_pool's deadline-bound Mooncake waits. (Its intermittent
+# failure in CI runs 20 and 23, a pooled prefix without its routing rows, was not load: the replicas
+# shared vLLM's connector lookup socket, see `rl_loop.kv_pool.connector_args`.)
 LAST = ("test_kv_pool",)
 
 
