@@ -44,6 +44,7 @@ import math
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -85,10 +86,7 @@ class _SharedReads:
 
     def __init__(self, read: Callable[[Piece], torch.Tensor], per: Sequence[Sequence[Piece]], budget: int):
         self.read, self.budget, self.held = read, budget, 0
-        self.wanted: dict[tuple, int] = {}
-        for mine in per:
-            for p in mine:
-                self.wanted[(p.name, p.box)] = self.wanted.get((p.name, p.box), 0) + 1
+        self.wanted = Counter((p.name, p.box) for mine in per for p in mine)
         self.cache: dict[tuple, tuple[torch.Tensor, int]] = {}
         self.lock = threading.Lock()
 
