@@ -338,7 +338,10 @@ def sharded_section(mb: int) -> dict:
 
 def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dict:
     """One `moerl rl` run on `lane`: per step the trainer's publish seconds (fs: gather + write)
-    and the orchestrator's sync seconds (replicas pause, receive, apply, resume)."""
+    and the orchestrator's sync seconds: what the step waited for the replicas to take the version
+    (fs: pause, read, apply, resume, one replica after the other; shm: the bytes move while the
+    step's last rollouts finish, then every replica pauses, applies and resumes at once), and its
+    rollout and whole-step seconds (a transfer that overlaps the rollouts shows there)."""
     import subprocess
 
     run_dir = tmp / f"rl-{lane}-{nproc}"
@@ -355,20 +358,23 @@ def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dic
     trainer = {r["step"]: json.loads((run_dir / "trainer" / f"metrics_{r['step']:06d}.json").read_text())
                for r in recs}
     rows = [{"step": r["step"], "publish_s": trainer[r["step"]]["publish_s"], "sync_s": r["sync_s"],
-             "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"]} for r in recs]
+             "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"], "gen_s": r["gen_s"], "step_s": r["step_s"]}
+            for r in recs]
     steady = [x for x in rows if x["step"] < steps]
     applied = re.findall(r"version \d+ applied \((.*)\)$", "".join(
         p.read_text() for p in sorted((run_dir / "replicas").glob("*.log"))), re.M)
     return {"command": " ".join(cmd), "per_step": rows,
             "median_sync_s": statistics.median(x["sync_s"] for x in steady),
             "median_total_s": statistics.median(x["total_s"] for x in steady),
+            "median_gen_s": statistics.median(x["gen_s"] for x in steady),
+            "median_step_s": statistics.median(x["step_s"] for x in steady),
             "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
             "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
                                  if "weight sync lane" in line), None),
             "replica_log_last_update": applied[-1] if applied else None}
 
 
-def rl_sync_section(tmp: Path, steps: int = 6, port: int = 18631) -> dict:
+def rl_sync_section(tmp: Path, steps: int = 10, port: int = 18631) -> dict:
     """`moerl rl` (tiny Kimi-K2, 2 replicas) per lane, same config, the lanes side by side: the main
     job's trainer (1 process) and a 2-rank FSDP2 trainer (every rank sends its own slices). Medians
     over the steps that publish no checkpoint (the last step also writes fs weights for --resume);
@@ -379,7 +385,8 @@ def rl_sync_section(tmp: Path, steps: int = 6, port: int = 18631) -> dict:
         runs = {lane: _rl_lane_run(tmp, lane, nproc, steps, port) for lane in ("fs", "shm")}
         out[f"trainer_ranks_{nproc}"] = {
             **runs, "fs_over_shm": runs["fs"]["median_total_s"] / runs["shm"]["median_total_s"],
-            "fs_over_shm_sync": runs["fs"]["median_sync_s"] / runs["shm"]["median_sync_s"]}
+            "fs_over_shm_sync": runs["fs"]["median_sync_s"] / runs["shm"]["median_sync_s"],
+            "fs_over_shm_step": runs["fs"]["median_step_s"] / runs["shm"]["median_step_s"]}
     return out
 
 

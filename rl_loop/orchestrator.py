@@ -49,6 +49,7 @@ from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
 from .tasks import get_task, group_samples, is_episodic
 from vllm_ext.routing.handoff import sweep_dead_servers
+from vllm_ext.weights.client import Replica as ClientReplica, ShardedUpdate, push_fs
 from vllm_ext.weights.shm import sweep
 from vllm_ext.weights.wire import COMMIT_MARKER
 
@@ -80,8 +81,6 @@ class Rollouts:
 
 def push_weights(replica: Replica, path: Path, version: int) -> None:
     """Load committed version `path` into `replica` (pause, update, resume; the old weights stay on failure)."""
-    from vllm_ext.weights.client import push_fs
-
     push_fs([replica.base_url], path, version)
 
 
@@ -274,12 +273,11 @@ class Orchestrator:
             self.wait_for_weights(step)
         return json.loads(path.read_text())
 
-    def sync_sharded(self, version: int) -> None:
-        """Every replica receives `version` from every trainer rank at once (sharded lanes). A replica
-        out of rotation, or whose update fails, is written off for the trainer ranks at once (their
+    def begin_sharded(self, version: int) -> tuple[ShardedUpdate, list[int]]:
+        """The first half of a sharded sync (``ShardedUpdate.begin``): every live replica starts
+        receiving `version` from every trainer rank while it serves on. A replica out of
+        rotation, or whose update fails, is written off for the trainer ranks at once (their
         lanes to it stop waiting); the others finish, as with the filesystem lane."""
-        from vllm_ext.weights.client import Replica as ClientReplica, push_sharded
-
         infos = read_infos(self.run_dir, version, self.cfg.train.nproc,
                            alive=lambda: self.check_trainer(f"offering weights v{version}"))
         live = [i for i, r in enumerate(self.replicas) if r.up]
@@ -287,8 +285,6 @@ class Orchestrator:
             write_off(self.run_dir, version, i, f"replica {self.replicas[i].name} is out of rotation")
         tp = self.cfg.inference.tensor_parallel  # infos[rank]: every replica's workers in turn
         workers = [[[infos[rank][i * tp + t] for rank in range(len(infos))] for t in range(tp)] for i in live]
-        for i in live:
-            self.replicas[i].updating = True
 
         def lost(k: int, why: str) -> None:
             r = self.replicas[live[k]]
@@ -296,9 +292,18 @@ class Orchestrator:
                 f"v{r.policy_version}: {why}")
             write_off(self.run_dir, version, live[k], f"replica {r.name}: {why}")
 
+        update = ShardedUpdate([self.replicas[i].base_url for i in live], workers, version, lost=lost,
+                               answer_within_s=self.cfg.inference.weight_sync_timeout_s)
+        update.begin()
+        return update, live
+
+    def swap_sharded(self, update: ShardedUpdate, live: list[int]) -> None:
+        """The second half: every replica that began pauses, applies and resumes."""
+        version = update.version
+        for i in live:
+            self.replicas[i].updating = True
         try:
-            push_sharded([self.replicas[i].base_url for i in live], workers, version, lost=lost,
-                         answer_within_s=self.cfg.inference.weight_sync_timeout_s)
+            update.swap()
             for i in live:
                 self.replicas[i].policy_version = version
         except Exception as exc:  # noqa: BLE001 - a failed replica keeps serving its old weights
@@ -317,11 +322,21 @@ class Orchestrator:
             for i in live:
                 self.replicas[i].updating = False
 
-    async def sync(self, version: int) -> float:
-        """Every live replica loads `version`; a failed update leaves it on its old version (counted)."""
+    def begin_sync(self, version: int) -> asyncio.Task | None:
+        """On a sharded lane, the transfer of `version` starting now, in the background (the
+        replicas serve on: the rollouts still running finish meanwhile); None on the filesystem lane."""
+        if self.lane is None or self.lane.lane == "fs":
+            return None
+        return asyncio.create_task(asyncio.to_thread(self.begin_sharded, version))
+
+    async def sync(self, version: int, begun: asyncio.Task | None = None) -> float:
+        """Every live replica loads `version`; a failed update leaves it on its old version (counted).
+        The seconds it kept the step waiting: on a sharded lane, for the rest of the transfer
+        ``begin_sync`` started, and for the swap."""
         t0 = time.perf_counter()
         if self.lane is not None and self.lane.lane != "fs":
-            await asyncio.to_thread(self.sync_sharded, version)
+            update, live = await (begun or self.begin_sync(version))
+            await asyncio.to_thread(self.swap_sharded, update, live)
             return time.perf_counter() - t0
         path = weights_dir(self.run_dir, version)
         for r in [r for r in self.replicas if r.up]:
@@ -406,9 +421,15 @@ class Orchestrator:
                             await asyncio.gather(ahead, return_exceptions=True)
                         raise
                     wait_s = time.perf_counter() - t_wait
-                    if ahead is not None:
-                        await ahead
-                    sync_s = await self.sync(step)
+                    begun = self.begin_sync(step)
+                    try:
+                        if ahead is not None:
+                            await ahead
+                    except BaseException:
+                        if begun is not None:
+                            await asyncio.gather(begun, return_exceptions=True)
+                        raise
+                    sync_s = await self.sync(step, begun)
                     if k == 0 and step < last:
                         await submit(step + 1)
                     ro, fresh, rejected = submitted.pop(step)

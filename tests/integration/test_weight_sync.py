@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from safetensors.torch import load_file
 from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
 from tests.conftest import corrupt_first_ring_piece
-from vllm_ext.weights.client import Replica, WeightSyncError, push_fs, push_sharded, push_stream
+from vllm_ext.weights.client import Replica, ShardedUpdate, WeightSyncError, push_fs, push_stream
 from vllm_ext.weights.format import TensorMeta
 from vllm_ext.weights.shm import SHM_DIR, RingWriter
 from vllm_ext.weights.wire import COMMIT_MARKER, write_fs
@@ -327,10 +328,12 @@ class ShardedSenders:
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         return self.started[-1]
 
-    def update(self, bases: list[str], ckpt: Path, version: int, *, lane: str, fault: str = ""):
+    def update(self, bases: list[str], ckpt: Path, version: int, *, lane: str, fault: str = "",
+               while_moving: Callable[[], None] | None = None):
         """Both ranks send `ckpt` to the replicas while this drives them: (SyncResult or the
         WeightSyncError, the senders' last lines). `stall`: rank 1 is killed in the verify pass of
-        every lane; `corrupt`: rank 0's first shared-memory piece of every lane; `shape`: both ranks."""
+        every lane, after `while_moving()` (the replicas are between the update's two halves, the
+        bytes half moved); `corrupt`: rank 0's first shared-memory piece of every lane; `shape`: both ranks."""
         for rank, p in enumerate(self.procs):
             f = fault if (fault != "stall" or rank == 1) and (fault != "corrupt" or rank == 0) else ""
             p.stdin.write(json.dumps({"ckpt": str(ckpt), "version": version, "lane": lane, "fault": f}) + "\n")
@@ -338,27 +341,22 @@ class ShardedSenders:
         infos = [json.loads(p.stdout.readline()) for p in self.procs]  # [rank][worker]
         offsets = [sum(TPS[:i]) for i in range(len(TPS))]
         workers = [[[infos[r][offsets[i] + t] for r in range(2)] for t in range(TPS[i])] for i in range(len(TPS))]
-        out: list = []
-
-        def run():
-            try:
-                out.append(push_sharded(bases, workers, version))
-            except WeightSyncError as exc:
-                out.append(exc)
-
-        t = threading.Thread(target=run)
-        t.start()
+        update = ShardedUpdate(bases, workers, version)
+        update.begin()
         if fault == "stall":  # killed once every receiver worker has joined it (else a worker waits out its connect)
             assert [self.procs[1].stdout.readline().strip() for _ in range(sum(TPS))] == ["midway"] * sum(TPS)
-            time.sleep(0.5)
+            if while_moving is not None:
+                while_moving()
             self.procs[1].kill()
             self.procs[1].wait()
-        t.join(240)
-        assert not t.is_alive()
+        try:
+            res = update.swap()
+        except WeightSyncError as exc:
+            res = exc
         lines = [p.stdout.readline().strip() if p.poll() is None else "killed" for p in self.procs]
         if fault == "stall":
             self.procs[1] = self._start(1)
-        return out[0], lines
+        return res, lines
 
     def rings(self) -> list[str]:
         """The shared-memory rings of every sender process started, the killed ones' too."""
@@ -384,7 +382,9 @@ def test_sharded_update_to_tp1_and_tp2_replicas(ckpts, servers):
 
     The TP=2 replica starts on v2, the TP=1 one on v2 after the test above (else v1). Each
     fault targets the version neither serves, so a partly applied update would show; each
-    must leave the version and outputs unchanged and no ring behind, and the next update
+    must leave the version and outputs unchanged and no ring behind (and while a stalled
+    sender holds the bytes half moved, both replicas answer with the old outputs: they
+    pause only to apply), and the next update
     (gloo to v1, Mooncake TE over loopback TCP to v2, shared memory to v1) must succeed:
     the TP=1 replica then equals a fresh server (its own v1 outputs, the v2 reference), the
     TP=2 one its own fresh v2 outputs after TE, and the same v1 outputs after gloo and shm."""
@@ -405,7 +405,11 @@ def test_sharded_update_to_tp1_and_tp2_replicas(ckpts, servers):
                 [("stall", "stream", v1), ("corrupt", "checksum mismatch in piece 0", v2),
                  ("shape", "mismatched: model.layers.1.", v1)],
                 [("net", v1, 21), ("te", v2, 22), ("shm", v1, 23)]):
-            res, lines = senders.update(bases, bad, version + 100, lane="shm", fault=fault)
+            def serving_old() -> None:
+                assert [Replica(b).version() for b in bases] == served, "the old version serves while the bytes move"
+                assert outputs() == current, "the old weights serve while the bytes move"
+
+            res, lines = senders.update(bases, bad, version + 100, lane="shm", fault=fault, while_moving=serving_old)
             assert isinstance(res, WeightSyncError) and match in str(res), (fault, res, lines)
             assert [Replica(b).version() for b in bases] == served, f"{fault}: the old version keeps serving"
             assert outputs() == current, f"{fault}: outputs changed"

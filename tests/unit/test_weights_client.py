@@ -17,12 +17,14 @@ from vllm_ext.weights.client import WeightSyncError, push_fs, push_sharded
 class FakeReplica:
     """Records every request; `fail` maps a route to the HTTP status it answers; `meet` is a
     barrier every replica's /pause waits at (it breaks, and /pause fails, unless they all
-    arrive together)."""
+    arrive together); a request to `hang` waits (a hung worker), only while paused unless
+    `hang_serving`."""
 
     def __init__(self, meet: threading.Barrier | None = None, fail: dict[str, int] | None = None,
-                 hang: str | None = None):
+                 hang: str | None = None, hang_serving: bool = False):
         self.calls: list[tuple[str, dict]] = []
-        self.release = threading.Event()  # a request to `hang` waits for it (a hung worker)
+        self.release = threading.Event()  # a hung request waits for it
+        self.paused = False
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -31,7 +33,8 @@ class FakeReplica:
                 route = self.path.split("?")[0]
                 fake.calls.append((route, body))
                 status = (fail or {}).get(route, 200)
-                if route == hang:
+                fake.paused = route == "/pause" or (fake.paused and route != "/resume")
+                if route == hang and (fake.paused or hang_serving):
                     fake.release.wait(60)
                 if route == "/pause" and meet is not None:
                     try:
@@ -74,6 +77,8 @@ def fakes(request):
 
 
 FULL = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+# the sharded lanes move the bytes before the pause, while the replica serves, and pause to apply
+SHARDED = ["/start_weight_update", "/update_weights", "/pause", "/update_weights", "/finish_weight_update", "/resume"]
 
 
 def test_every_replica_is_paused_at_once_and_updated(fakes, tmp_path):
@@ -82,9 +87,13 @@ def test_every_replica_is_paused_at_once_and_updated(fakes, tmp_path):
     res = push_sharded([r.url for r in reps], [[[{"rank": 0}]]] * 3, 7)
     assert res.version == 7
     for r in reps:
-        assert r.routes() == FULL
-        assert r.calls[2][1]["update_info"]["version"] == 7
-        assert r.calls[3][1] == {"weight_version": "7"}
+        assert r.routes() == SHARDED
+        assert [r.calls[k][1]["update_info"]["phase"] for k in (1, 3)] == ["receive", "apply"]
+        assert r.calls[1][1]["update_info"]["version"] == r.calls[3][1]["update_info"]["version"] == 7
+        assert r.calls[4][1] == {"weight_version": "7"}
+    r = fakes(meet=None)
+    push_fs([r.url], tmp_path, 7)
+    assert r.routes() == FULL and "phase" not in r.calls[2][1]["update_info"]
 
 
 def test_on_a_sharded_lane_a_failing_replica_drops_out_alone(fakes):
@@ -93,9 +102,9 @@ def test_on_a_sharded_lane_a_failing_replica_drops_out_alone(fakes):
     with pytest.raises(WeightSyncError, match="start_weight_update: HTTP 500"):
         push_sharded([r.url for r in reps], [[[{}]]] * 3, 8, lost=lambda i, why: lost.append((i, why)))
     assert sorted(i for i, _ in lost) == [1, 2]
-    assert reps[0].routes() == FULL
-    assert reps[1].routes() == ["/pause", "/start_weight_update", "/resume"]
-    assert reps[2].routes() == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
+    assert reps[0].routes() == SHARDED
+    assert reps[1].routes() == ["/start_weight_update"], "refused before the pause: never paused"
+    assert reps[2].routes() == ["/start_weight_update", "/update_weights"]
 
 
 def test_on_the_filesystem_lane_a_replica_that_cannot_pause_stops_the_update_for_all(fakes, tmp_path):
@@ -115,5 +124,16 @@ def test_on_a_sharded_lane_a_replica_whose_update_hangs_is_given_up_after_the_bo
                      answer_within_s=1.0)
     assert time.monotonic() - t0 < 30, "not the HTTP timeout of 600 s"
     assert err.value.hung == [1] and [i for i, _ in lost] == [1]
-    assert reps[0].routes() == FULL, "the other replica updates and resumes"
-    assert reps[1].routes() == ["/pause", "/start_weight_update", "/update_weights"], "neither finished nor resumed"
+    assert reps[0].routes() == SHARDED, "the other replica updates and resumes"
+    assert reps[1].routes() == SHARDED[:4], "neither finished nor resumed"
+
+
+def test_a_replica_that_hangs_before_the_pause_is_given_up_unpaused(fakes):
+    reps = [fakes(), fakes(hang="/update_weights", hang_serving=True)]
+    lost: list[tuple[int, str]] = []
+    with pytest.raises(WeightSyncError, match="no answer within 1 s") as err:
+        push_sharded([r.url for r in reps], [[[{}]]] * 2, 10, lost=lambda i, why: lost.append((i, why)),
+                     answer_within_s=1.0)
+    assert err.value.hung == [1] and [i for i, _ in lost] == [1]
+    assert reps[0].routes() == SHARDED
+    assert reps[1].routes() == SHARDED[:2], "never paused"

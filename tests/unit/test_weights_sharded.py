@@ -45,12 +45,14 @@ class Run:
     reads: int  # pieces read by the senders, all passes
     pieces: int  # pieces in the plan
     passes: int | None  # as the receiver took the update
+    before_apply: dict | None = None  # with `halves`: what the model had got when the verify pass returned
 
 
 def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape=None, bucket_bytes=2048,
-        budget=4096) -> Run:
+        budget=4096, halves: bool = False) -> Run:
     """Both ranks' senders into TP rank ``tp_rank``'s receiver. The whole update is 16.4 KiB:
-    the default budget takes it in two passes, a budget of 64 KiB in one."""
+    the default budget takes it in two passes, a budget of 64 KiB in one. ``halves``: its
+    verify pass and its apply as two calls (as a serving replica takes them), else ``receive``."""
     w = weights()
     shapes = {n: tuple(t.shape) for n, t in w.items()}
     needs_all = replica_needs(shapes, 2)
@@ -77,9 +79,15 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
     for t in threads:
         t.start()
     receiver = ShardedReceiver()
+    before = None
     try:
-        receiver.receive(infos, needs_all[tp_rank], expected, lambda it: got.update((k, v.clone()) for k, v in it),
-                         version=5, budget=budget)
+        apply = lambda it: got.update((k, v.clone()) for k, v in it)  # noqa: E731
+        if halves:
+            verified = receiver.verify(infos, needs_all[tp_rank], expected, version=5, budget=budget)
+            before = dict(got)
+            receiver.apply(verified, apply)
+        else:
+            receiver.receive(infos, needs_all[tp_rank], expected, apply, version=5, budget=budget)
         err = None
     except WeightUpdateError as exc:
         err = str(exc)
@@ -90,7 +98,7 @@ def run(tp_rank: int, *, shm: RingShape | None, te: bool = False, expected_shape
         for s in senders:
             s.close()
     return Run(w, needs_all[tp_rank], got, err, errors, senders, len(reads), len(pieces),
-               receiver.last.get("passes"))
+               receiver.last.get("passes"), before)
 
 
 @pytest.mark.parametrize("lane", ["shm", "net", "te"])
@@ -111,6 +119,19 @@ def test_an_update_within_the_budget_takes_one_pass(lane):
     r = run(1, shm=RingShape(2, 4096) if lane == "shm" else None, budget=64 << 10)
     assert r.err is None and not r.send_errors
     assert (r.passes, r.reads) == (1, r.pieces), "each piece read and sent once"
+    assert sorted(r.got) == sorted(r.w)
+    for n, t in r.got.items():
+        idx = tuple(slice(a, b) for a, b in r.need[n])
+        assert torch.equal(t[idx], r.w[n][idx]), n
+
+
+@pytest.mark.parametrize("budget", [4096, 64 << 10], ids=["two passes", "one pass"])
+def test_the_verify_pass_alone_gives_the_model_nothing(budget):
+    """A serving replica runs the verify pass while it serves: nothing may reach the model before
+    ``apply``, which then brings the whole update (one pass: what the first pass kept)."""
+    r = run(0, shm=RingShape(2, 4096), budget=budget, halves=True)
+    assert r.err is None and not r.send_errors
+    assert r.before_apply == {}, "the verify pass gave the model nothing"
     assert sorted(r.got) == sorted(r.w)
     for n, t in r.got.items():
         idx = tuple(slice(a, b) for a, b in r.need[n])

@@ -27,7 +27,8 @@ before it:
 * ``api.py``: policy version in every completion/chat response, update state on
   ``/metrics`` (``vllm_ext.metrics``);
 * ``client.py``: the trainer-side driver (HTTP, stdlib only): pause(keep) ->
-  start -> update -> finish(version) -> resume, for one or many replicas.
+  start -> update -> finish(version) -> resume, for one or many replicas; on the
+  sharded lanes start and the bytes first, while the replicas serve, then the pause.
 
 ``register()`` (called from ``vllm_ext.register``) registers the backend with
 ``WeightTransferEngineFactory`` lazily (the engine module is imported only when

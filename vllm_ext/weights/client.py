@@ -5,6 +5,8 @@ frozen, not dropped) -> ``/start_weight_update`` -> ``/update_weights`` (one
 complete update, see ``engine.py``) -> ``/finish_weight_update`` with the new
 version -> ``/resume``. If any step fails the replica is resumed on its previous
 weights and version and ``WeightSyncError`` carries every replica's error.
+The sharded lanes (``ShardedUpdate``) start the update and move its bytes before
+the pause, while the replica still serves, and pause only to apply them.
 Needs vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) and the ``moerl``
 backend (``--weight-transfer-config '{"backend": "moerl"}'``).
 
@@ -22,7 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["WeightSyncError", "SyncResult", "Replica", "push_fs", "push_stream", "push_sharded", "publish_fs"]
+__all__ = ["WeightSyncError", "SyncResult", "Replica", "ShardedUpdate", "push_fs", "push_stream", "push_sharded",
+           "publish_fs"]
 
 
 class WeightSyncError(RuntimeError):
@@ -74,9 +77,10 @@ class Replica:
         return self.get("/weight_info")["weight_version"]
 
 
-def _each(fn: Callable[[int], None], indices: Sequence[int]) -> dict[int, Exception]:
+def _each(fn: Callable[[int], None], indices: Sequence[int], within_s: float | None = None) -> dict[int, Exception]:
     """fn(i) for every index at once (one thread each: the replicas answer independently, so
-    n round trips cost one); the failures by index."""
+    n round trips cost one); the failures by index. With `within_s`, one still running then
+    is left behind and fails with ``_NoAnswer``."""
     failures: dict[int, Exception] = {}
 
     def run(i: int) -> None:
@@ -88,18 +92,25 @@ def _each(fn: Callable[[int], None], indices: Sequence[int]) -> dict[int, Except
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in indices]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    return failures
+    deadline = None if within_s is None else time.monotonic() + within_s
+    for i, t in zip(indices, threads):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            failures[i] = _NoAnswer(f"no answer within {within_s:.0f} s (a hung worker?)")
+    return dict(failures)
+
+
+class _NoAnswer(WeightSyncError):
+    """A replica's request still unanswered at its bound."""
 
 
 def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                   update_body: Callable[[int, Replica], dict],
                   during: Callable[[], int] | None = None,
                   lost: Callable[[int, str], None] | None = None,
-                  answer_within_s: float | None = None) -> SyncResult:
+                  answer_within_s: float | None = None, started: bool = False) -> SyncResult:
     """pause -> start -> update (plus `during` in this thread) -> finish -> resume, each step on
-    all replicas concurrently.
+    all replicas concurrently; `started`: the replicas' updates were started already (no start).
 
     Without `lost`, a replica failing to pause or start ends the update for all. With it
     (replicas fed by senders of their own, as the sharded lanes' are), that replica alone
@@ -130,7 +141,8 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
     def prepare(i: int) -> None:
         replicas[i].post("/pause?mode=keep")
         paused.append(replicas[i])
-        replicas[i].post("/start_weight_update")
+        if not started:
+            replicas[i].post("/start_weight_update")
 
     try:
         drop_failed(_each(prepare, active))
@@ -183,21 +195,72 @@ def push_fs(replicas: Sequence[Replica | str], path: str | Path, version: int) -
     return _run_protocol(reps, version, "fs", lambda i, r: body)
 
 
-def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
-                 version: int, lost: Callable[[int, str], None] | None = None,
-                 answer_within_s: float | None = None) -> SyncResult:
-    """Make every replica receive `version` from the trainer ranks' sharded senders at once.
+class ShardedUpdate:
+    """One update of every replica from the trainer ranks' sharded senders, in two halves.
 
     ``workers[i][t]``: for TP rank t of replica i, the join info of every trainer rank's
     sender for that worker (``sharded.ShardedSender.update_infos``); the ranks send
-    themselves, in their own processes, while this waits for the replicas. A replica
-    that fails, or has not answered within ``answer_within_s``, drops out alone:
-    ``lost(i, why)`` at once (tell the senders, whose lanes to it would otherwise wait
-    for it), and the others finish their update."""
-    reps = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
-    return _run_protocol(reps, version, "sharded",
-                         lambda i, r: {"transport": "sharded", "version": int(version), "workers": workers[i]},
-                         lost=lost or (lambda i, why: None), answer_within_s=answer_within_s)
+    themselves, in their own processes. ``begin`` starts the update on every replica
+    (``/start_weight_update``, ``/update_weights`` phase "receive"): each worker receives
+    and verifies in the background while the replica serves the old version. ``swap``
+    pauses, applies (phase "apply": it waits for the bytes still moving), finishes and
+    resumes, so a replica stops serving only to apply. A replica that fails, or has not
+    answered within ``answer_within_s``, drops out alone: ``lost(i, why)`` at once (tell
+    the senders, whose lanes to it would otherwise wait for it), and the others finish."""
+
+    def __init__(self, replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]], version: int,
+                 lost: Callable[[int, str], None] | None = None, answer_within_s: float | None = None):
+        self.replicas = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+        self.workers, self.version = workers, int(version)
+        self.lost = lost or (lambda i, why: None)
+        self.answer_within_s = answer_within_s
+        self.begun: list[int] = []
+        self.hung: list[int] = []  # begun without an answer in time: left as they are, out of this update
+        self.errors: dict[str, str] = {}
+
+    def _body(self, i: int, phase: str) -> dict:
+        return {"update_info": {"transport": "sharded", "version": self.version, "workers": self.workers[i],
+                                "phase": phase}}
+
+    def begin(self) -> None:
+        def start(i: int) -> None:
+            self.replicas[i].post("/start_weight_update")
+            self.replicas[i].post("/update_weights", self._body(i, "receive"))
+
+        failures = _each(start, range(len(self.replicas)), self.answer_within_s)
+        for i, exc in sorted(failures.items()):
+            self.errors[self.replicas[i].base] = str(exc)
+            self.lost(i, str(exc))
+        self.hung = [i for i, exc in failures.items() if isinstance(exc, _NoAnswer)]
+        self.begun = [i for i in range(len(self.replicas)) if i not in failures]
+
+    def swap(self) -> SyncResult:
+        """The second half; raises ``WeightSyncError`` naming every replica that failed in either."""
+        begun = self.begun
+        try:
+            res = _run_protocol([self.replicas[i] for i in begun], self.version, "sharded",
+                                lambda k, r: self._body(begun[k], "apply")["update_info"],
+                                lost=lambda k, why: self.lost(begun[k], why),
+                                answer_within_s=self.answer_within_s, started=True)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc}{self._begin_errors('; ')}",
+                                  hung=self.hung + [begun[k] for k in exc.hung]) from None
+        if self.errors:
+            raise WeightSyncError(f"weight update to version {self.version} failed{self._begin_errors(': ')}",
+                                  hung=self.hung)
+        return res
+
+    def _begin_errors(self, sep: str) -> str:
+        return sep + "; ".join(f"{k}: {v}" for k, v in self.errors.items()) if self.errors else ""
+
+
+def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
+                 version: int, lost: Callable[[int, str], None] | None = None,
+                 answer_within_s: float | None = None) -> SyncResult:
+    """Both halves of a ``ShardedUpdate`` in a row."""
+    update = ShardedUpdate(replicas, workers, version, lost, answer_within_s)
+    update.begin()
+    return update.swap()
 
 
 def publish_fs(path: str | Path, tensors, version: int, **kw) -> dict:

@@ -7,7 +7,8 @@ call carries one complete update::
     {"transport": "fs", "path": DIR, "version": N}
     {"transport": "stream", "version": N, "addr": ..., "port": ..., "rank": R, "world_size": W,
      "session": ..., "sender": ..., "shm": {...} or None}   # StreamSender.update_info(R, N)
-    {"transport": "sharded", "version": N, "workers": [[info from each trainer rank] per TP rank]}
+    {"transport": "sharded", "version": N, "workers": [[info from each trainer rank] per TP rank],
+     "phase": "receive"}, then once paused the same with "phase": "apply"
 
 The call receives everything into staging memory, checks it against the served
 model's checkpoint layout (every name present, no extra, shapes equal), and
@@ -26,12 +27,18 @@ boxes (of the checkpoint's tensors, a projection's experts stacked: ``wire_layou
 from every trainer rank at once, verifies them all in a first pass, then applies them
 tensor by tensor in a second; no staging of the version, no snapshot.
 A worker whose whole share fits in its assembly budget keeps the first pass instead.
+Its two halves are two calls, so that the replica serves the old version while the
+bytes move: ``phase: "receive"`` starts the verify pass in a background thread of each
+worker and returns; the engine goes on generating (the pass touches nothing the model
+reads). ``phase: "apply"``, sent once the replica is paused, waits for that pass, lets
+the workers agree and applies.
 The worker logs its peak extra resident memory during the update (``peak extra``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +55,7 @@ from . import peak_rss, served
 from .format import TensorMeta, WeightUpdateError
 from .plan import TpRules, expert_groups, vllm_tp_box, wire_shapes
 from .reload import ExpertStacks, reload
-from .sharded import ShardedReceiver
+from .sharded import ShardedReceiver, Verified
 from .stream import StreamReceiver
 from .wire import read_fs
 
@@ -76,7 +83,26 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
     shm: dict | None = None  # the sender's shared-memory ring offer (shm.py)
     te: dict | None = None  # the sender's Mooncake Transfer Engine offer (te.py)
     workers: list | None = None  # sharded: per TP rank, one StreamSender.update_info per trainer rank
+    phase: str | None = None  # sharded: "receive" (while serving), then "apply" (paused)
     rollback: bool = True
+
+
+@dataclass
+class _Transfer:
+    """A sharded update's verify pass running in the background (phase "receive")."""
+
+    version: int
+    rss0: int
+    started: float
+    thread: threading.Thread | None = None
+    result: Verified | None = None
+    error: BaseException | None = None
+
+    def run(self, verify) -> None:
+        try:
+            self.result = verify()
+        except BaseException as exc:  # noqa: BLE001 - raised by the apply phase
+            self.error = exc
 
 
 def checkpoint_layout(model_dir: str | Path) -> dict[str, TensorMeta] | None:
@@ -134,6 +160,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         self.stacks = ExpertStacks(model, self.expected or {})
         self.receiver = StreamReceiver()  # buffers, gloo groups and ring kept between updates
         self.sharded = ShardedReceiver()
+        self.transfer: _Transfer | None = None
         self.last: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------
@@ -197,32 +224,61 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
         return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
 
     def _receive_sharded(self, info: MoerlUpdateInfo) -> None:
+        if info.phase == "receive":
+            self._begin_sharded(info)
+        elif info.phase == "apply":
+            self._apply_sharded(info.version)
+        else:
+            raise WeightUpdateError(f"sharded update phase {info.phase!r}: send 'receive' (the replica serving), "
+                                    "then 'apply' (paused); vllm_ext.weights.client.ShardedUpdate does")
+
+    def _begin_sharded(self, info: MoerlUpdateInfo) -> None:
+        """Start the verify pass of ``info``'s update in a thread of its own: the replica serves on."""
         if self.expected is None:
             raise WeightUpdateError("sharded transport needs the server started from a local safetensors checkpoint")
+        if self.transfer is not None and self.transfer.thread.is_alive():
+            raise WeightUpdateError(f"the transfer of version {self.transfer.version} is still running: apply it "
+                                    "(phase 'apply') before starting another")
         tp, rank = self._tp()
         if not info.workers or len(info.workers) != tp:
             raise WeightUpdateError(f"sharded update names {len(info.workers or [])} workers, this replica has TP {tp}")
         rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
         needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.wire.items()}
-        t0 = time.perf_counter()
-        rss0 = peak_rss.reset()
+        t = self.transfer = _Transfer(info.version, peak_rss.reset(), time.perf_counter())
+        verify = lambda: self.sharded.verify(info.workers[rank], needs, self.wire, version=info.version)  # noqa: E731
+        t.thread = threading.Thread(target=t.run, args=(verify,), name="moerl-weights-receive", daemon=True)
+        t.thread.start()
+
+    def _apply_sharded(self, version: int) -> None:
+        """Wait for the verify pass of ``version``, then agree with the other workers and apply."""
+        t, self.transfer = self.transfer, None
         try:
-            nbytes = self.sharded.receive(info.workers[rank], needs, self.wire, self._load,
-                                          version=info.version, agree=_tp_agree)
+            if t is None or t.version != version:
+                raise WeightUpdateError(f"no transfer of version {version} was started on this worker (send the "
+                                        f"update with phase 'receive' first)"
+                                        + (f"; the one started is version {t.version}" if t else ""))
+            t0 = time.perf_counter()
+            t.thread.join()
+            waited = time.perf_counter() - t0
+            if t.error is not None:
+                raise t.error
+            nbytes = self.sharded.apply(t.result, self._load, agree=_tp_agree)
         except BaseException:
             _tp_agree(False)
             raise
         if not _tp_agree(True):  # every worker fails together: vLLM clears each one's update state only on a raise
             raise WeightUpdateError("another worker of this replica failed in the apply pass; the weights are partly "
                                     "updated (the next update restores them)")
-        served.applied(info.version)
-        extra = peak_rss.peak() - rss0
-        dt = time.perf_counter() - t0
-        self.last.update(version=info.version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
+        served.applied(version)
+        extra = peak_rss.peak() - t.rss0
+        dt = time.perf_counter() - t.started
+        tp, rank = self._tp()
+        self.last.update(version=version, bytes=nbytes, seconds=dt, transport="sharded", peak_extra_bytes=extra)
         last = self.sharded.last
         logger.info("moerl weights: version %s applied (sharded, TP rank %d/%d, %d senders, %d pass(es), %.1f MB, "
-                    "%.3fs: verify %.3fs, apply %.3fs; peak extra %d bytes)", info.version, rank, tp,
-                    len(info.workers[rank]), last["passes"], nbytes / 1e6, dt, last["verify_s"], last["apply_s"], extra)
+                    "%.3fs: verify %.3fs, waited %.3fs, apply %.3fs; peak extra %d bytes)", version, rank, tp,
+                    last["senders"], last["passes"], nbytes / 1e6, dt, last["verify_s"], waited, last["apply_s"],
+                    extra)
 
     def _load(self, items) -> None:
         """The layerwise reload over an iterator (the fresh-load path), no snapshot."""

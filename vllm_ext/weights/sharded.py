@@ -55,7 +55,7 @@ from .plan import Box, Piece, box_numel, check_cover, intersect
 from .shm import RingShape
 from .stream import StreamReceiver, StreamSender
 
-__all__ = ["ShardedSender", "ShardedReceiver", "VERIFY", "APPLY", "one_pass"]
+__all__ = ["ShardedSender", "ShardedReceiver", "Verified", "VERIFY", "APPLY", "one_pass"]
 
 logger = logging.getLogger("vllm_ext.weights")
 
@@ -308,6 +308,23 @@ def one_pass(needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None
     return sum(math.prod(expected[n].shape) * dtype_of(expected[n].dtype).itemsize for n in needs) <= budget
 
 
+@dataclass
+class Verified:
+    """One worker's update after its verify pass (``ShardedReceiver.verify``), for ``apply``."""
+
+    infos: list[dict]
+    needs: Mapping[str, Box]
+    version: int
+    budget: int
+    manifests: dict[int, dict]
+    digests: dict[int, list[int]]  # per sender whose pass closed cleanly: its units' hashes
+    dtypes: dict[str, str]
+    order: dict[str, int]
+    kept: _Assembler | None  # one pass: the tensors it brought
+    failure: str  # why this worker refuses the update ("" if it does not)
+    seconds: float
+
+
 class ShardedReceiver:
     """A replica worker's end, kept between updates: one ``StreamReceiver`` per trainer rank."""
 
@@ -321,14 +338,17 @@ class ShardedReceiver:
     def receive(self, infos: Sequence[dict], needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None,
                 apply: Callable[[Iterator[tuple[str, torch.Tensor]]], None], *, version: int,
                 budget: int = 32 << 20, agree: Callable[[bool], bool] = lambda ok: ok) -> int:
-        """One update from every trainer rank (``infos``: one ``update_info`` each); ``needs``:
-        name -> the box this worker loads. ``apply`` consumes the (name, tensor) iterator
-        (vLLM's ``load_weights``). ``agree(ok)`` tells the replica's other workers whether
-        this one verified everything and returns whether all did: no worker of a replica
-        applies unless every one can (the swap is all or nothing per replica). ``budget``:
-        the bytes of tensors this worker holds while assembling them; when its whole update
-        fits (``one_pass``), it keeps the first pass instead of asking for a second. Returns
-        the bytes received per pass."""
+        """``verify`` then ``apply``: one whole update, here and now."""
+        return self.apply(self.verify(infos, needs, expected, version=version, budget=budget), apply, agree=agree)
+
+    def verify(self, infos: Sequence[dict], needs: Mapping[str, Box], expected: Mapping[str, TensorMeta] | None, *,
+               version: int, budget: int = 32 << 20) -> Verified:
+        """Pass 1 of one update from every trainer rank (``infos``: one ``update_info`` each);
+        ``needs``: name -> the box this worker loads. It touches nothing the model serves from,
+        so the replica may go on serving meanwhile (``engine.py`` runs it in the background).
+        ``budget``: the bytes of tensors this worker holds while assembling them; when its whole
+        update fits (``one_pass``), it keeps this pass instead of asking for a second. A refusal
+        is recorded in the result, for ``apply`` to report (the senders still wait for it)."""
         manifests: dict[int, dict] = {}
         digests: dict[int, list[int]] = {}
         errors: dict[int, str] = {}
@@ -376,8 +396,6 @@ class ShardedReceiver:
 
         t0 = time.perf_counter()
         _parallel(verify, infos)
-        t1 = time.perf_counter()
-        verified = [i for i in range(len(infos)) if i in digests]
         failure = "; ".join(f"from rank {i}: {e}" for i, e in sorted(errors.items()))
         if not failure:
             pieces = [Piece(m[0], tuple(tuple(b) for b in box), i, 0)
@@ -385,37 +403,50 @@ class ShardedReceiver:
             failure = check_cover(pieces, needs)
             if failure:
                 failure = f"the senders' pieces do not make up this worker's weights: {failure}"
+        return Verified(list(infos), needs, version, budget, manifests, digests, dtypes, order, asm, failure,
+                        time.perf_counter() - t0)
+
+    def apply(self, v: Verified, apply: Callable[[Iterator[tuple[str, torch.Tensor]]], None], *,
+              agree: Callable[[bool], bool] = lambda ok: ok) -> int:
+        """The rest of the update ``v`` verified: ``agree(ok)`` tells the replica's other workers
+        whether this one verified everything and returns whether all did (no worker of a replica
+        applies unless every one can: the swap is all or nothing per replica); then ``apply``
+        consumes the (name, tensor) iterator (vLLM's ``load_weights``): the tensors kept from
+        pass 1, or pass 2 assembled as it streams in. Returns the bytes received per pass."""
+        failure = v.failure
         if not agree(not failure) and not failure:
             failure = "another worker of this replica refused the update"
-        if one:
+        t1 = time.perf_counter()
+        if v.kept is not None:
             if failure:
                 raise WeightUpdateError(failure)
-            asm.out.put(None)
-            apply(iter(asm.out.get_nowait, None))
-            self.last = {"bytes": asm.received, "senders": len(infos), "passes": 1, "verify_s": t1 - t0,
+            v.kept.out.put(None)
+            apply(iter(v.kept.out.get_nowait, None))
+            self.last = {"bytes": v.kept.received, "senders": len(v.infos), "passes": 1, "verify_s": v.seconds,
                          "apply_s": time.perf_counter() - t1}
-            return asm.received
-        asm = _Assembler(needs, dtypes, order, budget)
+            return v.kept.received
+        asm = _Assembler(v.needs, v.dtypes, v.order, v.budget)
+        errors: dict[int, str] = {}
 
         def second(i: int, info: dict) -> None:
             """Pass 2 from sender i: drained when the update is already refused."""
-            feed = _feed(asm, manifests, i)
+            feed = _feed(asm, v.manifests, i)
 
             def on_unit(u: int, views) -> str | None:
                 return "draining: the update was refused in its verify pass" if failure else feed(u, views)
 
             try:
-                self._receiver(i).receive(**dict(info, session=f"{info['session']}/{APPLY}", version=version),
-                                          on_unit=on_unit, expect=digests[i], check=lambda m: None)
+                self._receiver(i).receive(**dict(info, session=f"{info['session']}/{APPLY}", version=v.version),
+                                          on_unit=on_unit, expect=v.digests[i], check=lambda m: None)
             except Exception as exc:  # noqa: BLE001
                 asm.fail()
                 if not failure:
                     errors[i] = str(exc)
 
         if failure:  # the senders whose verify pass closed cleanly still send pass 2: drain it
-            _parallel(second, {i: infos[i] for i in verified})
+            _parallel(second, {i: v.infos[i] for i in v.digests})
             raise WeightUpdateError(failure)
-        feeder = threading.Thread(target=lambda: (_parallel(second, dict(enumerate(infos))), asm.out.put(None)),
+        feeder = threading.Thread(target=lambda: (_parallel(second, dict(enumerate(v.infos))), asm.out.put(None)),
                                   daemon=True)
         feeder.start()
 
@@ -436,7 +467,7 @@ class ShardedReceiver:
                                     "restores them): " + "; ".join(f"from rank {i}: {e}" for i, e in errors.items()))
         if asm.pending:
             raise WeightUpdateError(f"{len(asm.pending)} tensor(s) incomplete after the apply pass")
-        self.last = {"bytes": asm.received, "senders": len(infos), "passes": 2, "verify_s": t1 - t0,
+        self.last = {"bytes": asm.received, "senders": len(v.infos), "passes": 2, "verify_s": v.seconds,
                      "apply_s": time.perf_counter() - t1}
         return asm.received
 
