@@ -336,7 +336,7 @@ def sharded_section(mb: int) -> dict:
     return out
 
 
-def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dict:
+def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int, repeat: int) -> dict:
     """One `moerl rl` run on `lane`: per step the trainer's publish seconds (fs: gather + write)
     and the orchestrator's sync seconds: what the step waited for the replicas to take the version
     (fs: pause, read, apply, resume, one replica after the other; shm: the bytes move while the
@@ -344,7 +344,7 @@ def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dic
     rollout and whole-step seconds (a transfer that overlaps the rollouts shows there)."""
     import subprocess
 
-    run_dir = tmp / f"rl-{lane}-{nproc}"
+    run_dir = tmp / f"rl-{lane}-{nproc}-{repeat}"
     cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs/tiny_kimi_k2.toml"),
            "--set", f"run_dir={run_dir}", "--set", f"inference.base_port={port}",
            "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
@@ -360,14 +360,9 @@ def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dic
     rows = [{"step": r["step"], "publish_s": trainer[r["step"]]["publish_s"], "sync_s": r["sync_s"],
              "total_s": trainer[r["step"]]["publish_s"] + r["sync_s"], "gen_s": r["gen_s"], "step_s": r["step_s"]}
             for r in recs]
-    steady = [x for x in rows if x["step"] < steps]
     applied = re.findall(r"version \d+ applied \((.*)\)$", "".join(
         p.read_text() for p in sorted((run_dir / "replicas").glob("*.log"))), re.M)
     return {"command": " ".join(cmd), "per_step": rows,
-            "median_sync_s": statistics.median(x["sync_s"] for x in steady),
-            "median_total_s": statistics.median(x["total_s"] for x in steady),
-            "median_gen_s": statistics.median(x["gen_s"] for x in steady),
-            "median_step_s": statistics.median(x["step_s"] for x in steady),
             "loadavg_at_start": load, "loadavg_at_end": os.getloadavg(),
             "lane_logged": next((line for line in (proc.stdout + proc.stderr).splitlines()
                                  if "weight sync lane" in line), None),
@@ -376,17 +371,25 @@ def _rl_lane_run(tmp: Path, lane: str, nproc: int, steps: int, port: int) -> dic
 
 def rl_sync_section(tmp: Path, steps: int = 10, port: int = 18631) -> dict:
     """`moerl rl` (tiny Kimi-K2, 2 replicas) per lane, same config, the lanes side by side: the main
-    job's trainer (1 process) and a 2-rank FSDP2 trainer (every rank sends its own slices). Medians
-    over the steps that publish no checkpoint (the last step also writes fs weights for --resume);
-    total = the trainer's publish + the orchestrator's sync, what a step waits for."""
+    job's trainer (1 process) and a 2-rank FSDP2 trainer (every rank sends its own slices). Each
+    lane runs twice, in the order fs, shm, shm, fs (the machine's load drifts); medians over both
+    runs' steps that publish no checkpoint (the last step also writes fs weights for --resume);
+    total = the trainer's publish + the orchestrator's sync, what a step waits for the weights."""
     out: dict = {"config": "configs/tiny_kimi_k2.toml (rollout 2 x 4: sync does not depend on it)",
-                 "steps": steps, "replicas": 2}
+                 "steps": steps, "replicas": 2, "order": "fs, shm, shm, fs"}
     for nproc in (1, 2):
-        runs = {lane: _rl_lane_run(tmp, lane, nproc, steps, port) for lane in ("fs", "shm")}
+        runs: dict[str, list] = {"fs": [], "shm": []}
+        for lane in ("fs", "shm", "shm", "fs"):
+            runs[lane].append(_rl_lane_run(tmp, lane, nproc, steps, port, len(runs[lane])))
+        lanes = {}
+        for lane, rs in runs.items():
+            steady = [x for r in rs for x in r["per_step"] if x["step"] < steps]
+            lanes[lane] = {"runs": rs, **{f"median_{k}": statistics.median(x[k] for x in steady)
+                                          for k in ("sync_s", "total_s", "gen_s", "step_s")}}
         out[f"trainer_ranks_{nproc}"] = {
-            **runs, "fs_over_shm": runs["fs"]["median_total_s"] / runs["shm"]["median_total_s"],
-            "fs_over_shm_sync": runs["fs"]["median_sync_s"] / runs["shm"]["median_sync_s"],
-            "fs_over_shm_step": runs["fs"]["median_step_s"] / runs["shm"]["median_step_s"]}
+            **lanes, "fs_over_shm": lanes["fs"]["median_total_s"] / lanes["shm"]["median_total_s"],
+            "fs_over_shm_sync": lanes["fs"]["median_sync_s"] / lanes["shm"]["median_sync_s"],
+            "fs_over_shm_step": lanes["fs"]["median_step_s"] / lanes["shm"]["median_step_s"]}
     return out
 
 
