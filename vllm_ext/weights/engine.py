@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,20 +90,24 @@ class MoerlUpdateInfo(WeightTransferUpdateInfo):
 
 @dataclass
 class _Transfer:
-    """A sharded update's verify pass running in the background (phase "receive")."""
+    """A sharded update's verify pass (phase "receive"), in a thread of its own while the replica serves."""
 
     version: int
     rss0: int
     started: float
-    thread: threading.Thread | None = None
     result: Verified | None = None
-    error: BaseException | None = None
+    error: BaseException | None = None  # raised by the apply phase
+    thread: threading.Thread = field(init=False)
 
-    def run(self, verify) -> None:
-        try:
-            self.result = verify()
-        except BaseException as exc:  # noqa: BLE001 - raised by the apply phase
-            self.error = exc
+    def start(self, verify: Callable[[], Verified]) -> None:
+        def run() -> None:
+            try:
+                self.result = verify()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="moerl-weights-receive", daemon=True)
+        self.thread.start()
 
 
 def checkpoint_layout(model_dir: str | Path) -> dict[str, TensorMeta] | None:
@@ -244,10 +249,8 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
             raise WeightUpdateError(f"sharded update names {len(info.workers or [])} workers, this replica has TP {tp}")
         rules = TpRules(num_kv_heads=getattr(self.model_config.hf_config, "num_key_value_heads", None))
         needs = {n: vllm_tp_box(n, m.shape, tp, rank, rules) for n, m in self.wire.items()}
-        t = self.transfer = _Transfer(info.version, peak_rss.reset(), time.perf_counter())
-        verify = lambda: self.sharded.verify(info.workers[rank], needs, self.wire, version=info.version)  # noqa: E731
-        t.thread = threading.Thread(target=t.run, args=(verify,), name="moerl-weights-receive", daemon=True)
-        t.thread.start()
+        self.transfer = _Transfer(info.version, peak_rss.reset(), time.perf_counter())
+        self.transfer.start(lambda: self.sharded.verify(info.workers[rank], needs, self.wire, version=info.version))
 
     def _apply_sharded(self, version: int) -> None:
         """Wait for the verify pass of ``version``, then agree with the other workers and apply."""
