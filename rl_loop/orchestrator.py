@@ -329,13 +329,13 @@ class Orchestrator:
             return None
         return asyncio.create_task(asyncio.to_thread(self.begin_sharded, version))
 
-    async def sync(self, version: int, begun: asyncio.Task | None = None) -> float:
+    async def sync(self, version: int, begun: asyncio.Task | None) -> float:
         """Every live replica loads `version`; a failed update leaves it on its old version (counted).
-        The seconds it kept the step waiting: on a sharded lane, for the rest of the transfer
-        ``begin_sync`` started, and for the swap."""
+        The seconds it kept the step waiting: with the transfer ``begin_sync`` started (a sharded
+        lane), for the rest of it and for the swap."""
         t0 = time.perf_counter()
-        if self.lane is not None and self.lane.lane != "fs":
-            update, live = await (begun or self.begin_sync(version))
+        if begun is not None:
+            update, live = await begun
             await asyncio.to_thread(self.swap_sharded, update, live)
             return time.perf_counter() - t0
         path = weights_dir(self.run_dir, version)
