@@ -26,9 +26,11 @@ before it:
   (``reload.py``), roll back on failure;
 * ``api.py``: policy version in every completion/chat response, update state on
   ``/metrics`` (``vllm_ext.metrics``);
+* ``swap.py``: the API server's ``/moerl/swap_weights`` route, a sharded update's
+  pause -> apply -> finish -> resume in one request;
 * ``client.py``: the trainer-side driver (HTTP, stdlib only): pause(keep) ->
   start -> update -> finish(version) -> resume, for one or many replicas; on the
-  sharded lanes start and the bytes first, while the replicas serve, then the pause.
+  sharded lanes start and the bytes first, while the replicas serve, then the swap.
 
 ``register()`` (called from ``vllm_ext.register``) registers the backend with
 ``WeightTransferEngineFactory`` lazily (the engine module is imported only when

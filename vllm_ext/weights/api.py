@@ -13,6 +13,8 @@
   ``moerl:weight_update_in_progress`` follow them; a failed ``/update_weights``
   counts in ``moerl:weight_update_failures`` and answers with vLLM's JSON error
   carrying the worker's message.
+* ``POST /moerl/swap_weights`` (``swap.py``): a sharded update's pause, apply,
+  finish and resume as one request.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..metrics import state, version_number
+from . import swap
 
 logger = logging.getLogger("vllm_ext.weights")
 
@@ -53,6 +56,7 @@ def install() -> None:
     state.install()
     _install_engine_hooks()
     _install_response_hooks()
+    swap.install()
 
 
 def _install_engine_hooks() -> None:

@@ -6,7 +6,8 @@ complete update, see ``engine.py``) -> ``/finish_weight_update`` with the new
 version -> ``/resume``. If any step fails the replica is resumed on its previous
 weights and version and ``WeightSyncError`` carries every replica's error.
 The sharded lanes (``ShardedUpdate``) start the update and move its bytes before
-the pause, while the replica still serves, and pause only to apply them.
+the pause, while the replica still serves; then one request (``swap.ROUTE``) has the
+server pause, apply, finish and resume, so the replica stops serving only to apply.
 Needs vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) and the ``moerl``
 backend (``--weight-transfer-config '{"backend": "moerl"}'``).
 
@@ -23,6 +24,8 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .swap import ROUTE as SWAP_ROUTE
 
 __all__ = ["WeightSyncError", "SyncResult", "Replica", "ShardedUpdate", "push_fs", "push_stream", "push_sharded",
            "publish_fs"]
@@ -106,46 +109,26 @@ class _NoAnswer(WeightSyncError):
 
 def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                   update_body: Callable[[int, Replica], dict],
-                  during: Callable[[], int] | None = None,
-                  lost: Callable[[int, str], None] | None = None,
-                  answer_within_s: float | None = None, started: bool = False) -> SyncResult:
+                  during: Callable[[], int] | None = None) -> SyncResult:
     """pause -> start -> update (plus `during` in this thread) -> finish -> resume, each step on
-    all replicas concurrently; `started`: the replicas' updates were started already (no start).
-
-    Without `lost`, a replica failing to pause or start ends the update for all. With it
-    (replicas fed by senders of their own, as the sharded lanes' are), that replica alone
-    drops out: `lost(index, why)` is called at once, for it and for any replica whose
-    update request fails or, with `answer_within_s`, has not answered by then (a hung
-    worker: vLLM's /health stays OK meanwhile); the others go on. A hung replica is
-    neither finished nor resumed (its engine would not answer either) and is named in the
-    error's `hung`."""
+    all replicas concurrently. A replica failing to pause or start ends the update for all;
+    every paused replica is resumed."""
     res = SyncResult(version=int(version), transport=transport)
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
-    active = list(range(len(replicas)))
     paused: list[Replica] = []
-    hung: list[int] = []
-
-    def failed(i: int, exc: Exception) -> None:
-        errors[replicas[i].base] = str(exc)
-        if lost is not None:
-            lost(i, str(exc))
-
-    def drop_failed(failures: dict[int, Exception]) -> None:
-        for i, exc in sorted(failures.items()):
-            if lost is None:
-                raise exc
-            failed(i, exc)
-            active.remove(i)
 
     def prepare(i: int) -> None:
         replicas[i].post("/pause?mode=keep")
         paused.append(replicas[i])
-        if not started:
-            replicas[i].post("/start_weight_update")
+        replicas[i].post("/start_weight_update")
+
+    def raise_first(failures: dict[int, Exception]) -> None:
+        for _, exc in sorted(failures.items()):
+            raise exc
 
     try:
-        drop_failed(_each(prepare, active))
+        raise_first(_each(prepare, range(len(replicas))))
         t1 = time.perf_counter()
         ok: dict[str, bool] = {}
 
@@ -154,9 +137,9 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                 r.post("/update_weights", {"update_info": update_body(i, r)})
                 ok[r.base] = True
             except Exception as exc:  # noqa: BLE001
-                failed(i, exc)
+                errors[r.base] = str(exc)
 
-        threads = [threading.Thread(target=update, args=(i, replicas[i]), daemon=True) for i in active]
+        threads = [threading.Thread(target=update, args=(i, r), daemon=True) for i, r in enumerate(replicas)]
         for t in threads:
             t.start()
         try:
@@ -164,27 +147,21 @@ def _run_protocol(replicas: Sequence[Replica], version: int, transport: str,
                 res.bytes = during()
         except Exception as exc:  # noqa: BLE001
             errors["sender"] = f"{type(exc).__name__}: {exc}"
-        deadline = None if answer_within_s is None else time.monotonic() + answer_within_s
-        for i, t in zip(active, threads):
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                hung.append(i)
-                failed(i, WeightSyncError(f"{replicas[i].base}/update_weights: no answer within {answer_within_s:.0f} "
-                                          "s (a hung worker?); left paused, out of this update"))
+        for t in threads:
+            t.join()
         res.transfer_seconds = time.perf_counter() - t1
-        active = [i for i in active if ok.get(replicas[i].base) and i not in hung]
-        drop_failed(_each(lambda i: replicas[i].post("/finish_weight_update",
-                                                     {"weight_version": str(int(version))}), active))
+        done = [i for i, r in enumerate(replicas) if ok.get(r.base)]
+        raise_first(_each(lambda i: replicas[i].post("/finish_weight_update", {"weight_version": str(int(version))}),
+                          done))
     except WeightSyncError as exc:
         errors.setdefault("protocol", str(exc))
     finally:
-        resume = [r for r in paused if r not in {replicas[i] for i in hung}]
-        for i, exc in sorted(_each(lambda i: resume[i].post("/resume"), range(len(resume))).items()):
-            errors.setdefault(resume[i].base + " resume", str(exc))
+        for i, exc in sorted(_each(lambda i: paused[i].post("/resume"), range(len(paused))).items()):
+            errors.setdefault(paused[i].base + " resume", str(exc))
         res.seconds = time.perf_counter() - t0
     if errors:
         raise WeightSyncError(f"weight update to version {version} failed: "
-                              + "; ".join(f"{k}: {v}" for k, v in errors.items()), hung=hung)
+                              + "; ".join(f"{k}: {v}" for k, v in errors.items()))
     return res
 
 
@@ -202,9 +179,9 @@ class ShardedUpdate:
     sender for that worker (``sharded.ShardedSender.update_infos``); the ranks send
     themselves, in their own processes. ``begin`` starts the update on every replica
     (``/start_weight_update``, ``/update_weights`` phase "receive"): each worker receives
-    and verifies in the background while the replica serves the old version. ``swap``
-    pauses, applies (phase "apply": it waits for the bytes still moving), finishes and
-    resumes, so a replica stops serving only to apply. A replica that fails, or has not
+    and verifies in the background while the replica serves the old version. ``swap`` has
+    each server pause, apply (phase "apply": it waits for the bytes still moving), finish
+    and resume in one request, so a replica stops serving only to apply. A replica that fails, or has not
     answered within ``answer_within_s``, drops out alone: ``lost(i, why)`` at once (tell
     the senders, whose lanes to it would otherwise wait for it), and the others finish."""
 
@@ -235,23 +212,27 @@ class ShardedUpdate:
         self.begun = [i for i in range(len(self.replicas)) if i not in failures]
 
     def swap(self) -> SyncResult:
-        """The second half; raises ``WeightSyncError`` naming every replica that failed in either."""
-        begun = self.begun
-        try:
-            res = _run_protocol([self.replicas[i] for i in begun], self.version, "sharded",
-                                lambda k, r: self._body(begun[k], "apply")["update_info"],
-                                lost=lambda k, why: self.lost(begun[k], why),
-                                answer_within_s=self.answer_within_s, started=True)
-        except WeightSyncError as exc:
-            raise WeightSyncError(f"{exc}{self._begin_errors('; ')}",
-                                  hung=self.hung + [begun[k] for k in exc.hung]) from None
-        if self.errors:
-            raise WeightSyncError(f"weight update to version {self.version} failed{self._begin_errors(': ')}",
-                                  hung=self.hung)
-        return res
+        """The second half, one request to each replica that began (``swap.ROUTE``: the server
+        pauses, applies, finishes and resumes); raises ``WeightSyncError`` naming every replica
+        that failed in either half. ``per_replica[url]``: the seconds of each step there."""
+        res = SyncResult(version=self.version, transport="sharded")
+        t0 = time.perf_counter()
 
-    def _begin_errors(self, sep: str) -> str:
-        return sep + "; ".join(f"{k}: {v}" for k, v in self.errors.items()) if self.errors else ""
+        def swap(i: int) -> None:
+            body = self._body(i, "apply")
+            res.per_replica[self.replicas[i].base] = self.replicas[i].post(
+                SWAP_ROUTE, {**body, "weight_version": str(self.version)})
+
+        failures = _each(swap, self.begun, self.answer_within_s)
+        res.seconds = res.transfer_seconds = time.perf_counter() - t0
+        for i, exc in sorted(failures.items()):
+            self.errors[self.replicas[i].base] = str(exc)
+            self.lost(i, str(exc))
+        self.hung += [i for i, exc in failures.items() if isinstance(exc, _NoAnswer)]
+        if self.errors:
+            raise WeightSyncError(f"weight update to version {self.version} failed: "
+                                  + "; ".join(f"{k}: {v}" for k, v in self.errors.items()), hung=sorted(self.hung))
+        return res
 
 
 def push_sharded(replicas: Sequence[Replica | str], workers: Sequence[Sequence[Sequence[dict]]],
