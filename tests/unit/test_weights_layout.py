@@ -81,7 +81,9 @@ def test_weights_package_import_graph_is_acyclic():
     assert w["peak_rss"] == set()  # the worker's peak memory over an update, read from /proc
     assert w["reload"] == {"format", "plan"}  # applying an update: experts stacked, names from the wire layout
     assert w["engine"] == {"format", "wire", "stream", "plan", "sharded", "served", "peak_rss", "reload"}
-    assert w["client"] == {"wire", "stream", "shm"}  # function-level imports: seen
+    assert w["swap"] == set()  # the API server's swap route: vLLM's engine client, no transport
+    assert w["api"] == {"swap"}
+    assert w["client"] == {"wire", "stream", "shm", "swap"}  # function-level imports: seen; swap: its route
     assert w[PACKAGE] == {"api"}  # `from . import api` inside register()
 
 
