@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import ROOT, VENV_BIN, losses_from_log, run_torchrun
+from tests.conftest import ROOT, VENV_BIN, losses_from_log, run_torchrun, ulp_tol
 from tests.integration.ep_logits_worker import fixed_batch
 
 MODELS = ("glm5", "kimi_k2")
@@ -83,8 +83,11 @@ def test_replay_under_context_parallel_equals_single_process_replay(single, cp_r
     ref, got = single[model], cp_runs(2)[model]
     assert (ref["replay_logits"] - ref["logits"]).abs().max() > 1e-2, "the random record really changes the routing"
     assert (ref["replay_logits"] - got["replay_logits"]).abs().max().item() <= 1e-5
-    # the per-token losses, put back in global (row, position) order, summed in one process's order
-    assert got["replay_loss"] == ref["replay_loss"]
+    # the per-token losses, put back in global (row, position) order, summed in one process's order: equal
+    # up to the logits' own difference (held to 1e-5 above, about 20 ulps at this loss; measured: 0 ulps on
+    # the Intel hosts so far, 1 on an AMD EPYC with AVX-512)
+    loss = torch.tensor(ref["replay_loss"])
+    assert abs(got["replay_loss"] - ref["replay_loss"]) <= ulp_tol(torch.float32, loss, 32)
 
 
 @pytest.mark.parametrize("model", MODELS)

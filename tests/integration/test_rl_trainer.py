@@ -108,10 +108,12 @@ def test_context_parallel_2_takes_the_one_process_step(tiny_checkpoint, tmp_path
     for key in ("loss", "mismatch_k3_mean"):
         assert abs(one[key] - two[key]) <= ulp_tol(torch.float32, torch.tensor(1.0), 8), (key, one[key], two[key])
     assert abs(one["grad_norm"] - two["grad_norm"]) <= ulp_tol(torch.float32, torch.tensor(one["grad_norm"]), 8)
-    # every parameter's gradient, as AdamW's first moment holds it (measured: <= 33 ulps of each tensor's largest)
+    # every parameter's gradient, as AdamW's first moment holds it: the two sum the tokens' terms in other
+    # orders, which the host's kernels decide (measured, in ulps of each tensor's largest: <= 33 on the Intel
+    # hosts so far, 70.5 on an AMD EPYC with AVX-512); a lost or doubled CP half is off by the gradient itself
     assert moments[1].keys() == moments[2].keys() and len(moments[1]) > 60
     worst = {n: (m - moments[2][n]).abs().max().item() / ulp_tol(torch.float32, m, 1) for n, m in moments[1].items()}
-    assert max(worst.values()) <= 64, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    assert max(worst.values()) <= 256, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     # The updated weights, wherever the gradient is far above AdamW's eps (1e-8), i.e. the step is
     # lr x sign(g) there (|update| > 0.99 lr); nearer eps, Adam's division amplifies the gradients'
     # last-bit differences (those are checked on the moments above).
