@@ -192,23 +192,29 @@ class ShardedUpdate:
         self.lost = lost or (lambda i, why: None)
         self.answer_within_s = answer_within_s
         self.begun: list[int] = []
-        self.hung: list[int] = []  # begun without an answer in time: left as they are, out of this update
+        self.hung: list[int] = []  # no answer in time, in either half: left as they are, out of this update
         self.errors: dict[str, str] = {}
 
     def _body(self, i: int, phase: str) -> dict:
         return {"update_info": {"transport": "sharded", "version": self.version, "workers": self.workers[i],
                                 "phase": phase}}
 
+    def _drop(self, failures: dict[int, Exception]) -> dict[int, Exception]:
+        """Each failed replica out of this update, its error kept and ``lost`` told; one without an
+        answer in time is hung."""
+        for i, exc in sorted(failures.items()):
+            self.errors[self.replicas[i].base] = str(exc)
+            self.lost(i, str(exc))
+            if isinstance(exc, _NoAnswer):
+                self.hung.append(i)
+        return failures
+
     def begin(self) -> None:
         def start(i: int) -> None:
             self.replicas[i].post("/start_weight_update")
             self.replicas[i].post("/update_weights", self._body(i, "receive"))
 
-        failures = _each(start, range(len(self.replicas)), self.answer_within_s)
-        for i, exc in sorted(failures.items()):
-            self.errors[self.replicas[i].base] = str(exc)
-            self.lost(i, str(exc))
-        self.hung = [i for i, exc in failures.items() if isinstance(exc, _NoAnswer)]
+        failures = self._drop(_each(start, range(len(self.replicas)), self.answer_within_s))
         self.begun = [i for i in range(len(self.replicas)) if i not in failures]
 
     def swap(self) -> SyncResult:
@@ -223,12 +229,8 @@ class ShardedUpdate:
             res.per_replica[self.replicas[i].base] = self.replicas[i].post(
                 SWAP_ROUTE, {**body, "weight_version": str(self.version)})
 
-        failures = _each(swap, self.begun, self.answer_within_s)
+        self._drop(_each(swap, self.begun, self.answer_within_s))
         res.seconds = res.transfer_seconds = time.perf_counter() - t0
-        for i, exc in sorted(failures.items()):
-            self.errors[self.replicas[i].base] = str(exc)
-            self.lost(i, str(exc))
-        self.hung += [i for i, exc in failures.items() if isinstance(exc, _NoAnswer)]
         if self.errors:
             raise WeightSyncError(f"weight update to version {self.version} failed: "
                                   + "; ".join(f"{k}: {v}" for k, v in self.errors.items()), hung=sorted(self.hung))
