@@ -91,7 +91,10 @@ def torchrun_mesh(cuda: bool, dim: str) -> tuple[torch.device, DeviceMesh]:
     one GPU per process (``LOCAL_RANK``), or gloo on CPU for the small-size checks."""
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dev = cuda_device() if cuda else torch.device("cpu")
+    # NCCL's eager init wants an indexed device ("cuda:N"), not plain "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        cuda_device()
     dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
     return dev, init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=(dim,))
 

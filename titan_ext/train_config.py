@@ -46,7 +46,8 @@ def _size_process_groups_as_zero() -> None:
     compiled block sees as a script object; the budgeted partitioner refuses script objects
     it cannot size unless told they are empty. These are titan_ext's only script objects
     and hold no tensors, so zero is their true activation size."""
-    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):  # absent on torch 2.11
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
 
 
 def trainer_config(model: str, flavor: str) -> Trainer.Config:
