@@ -37,7 +37,8 @@ percent between seconds-apart runs):
 are wall clock, every rank in step (a barrier before each run; the max over ranks), since the
 all-to-alls make every rank wait for the slowest; the EP=1 block runs on rank 0 while the
 others wait. Rank 0 writes everything under the key "ep" of `--out` (other keys kept), after
-each case. ``--flavor tiny`` (the same structure at CPU size) makes a CPU/gloo smoke run fit in
+each case. A case that does not fit in the GPU's memory is written as ``{"skipped": reason}``
+and the run goes on (on one GPU; with several it ends there, see ``main``). ``--flavor tiny`` (the same structure at CPU size) makes a CPU/gloo smoke run fit in
 memory; its figures are not measurements.
 """
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import importlib.util
 import json
 import statistics
@@ -57,11 +59,11 @@ import torch.distributed as dist
 
 import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
 from titan_ext.models.builder import DISPATCHERS, check_moe_options
-from titan_ext.models.fp8_experts import to_fp8
+from titan_ext.models.fp8_experts import drop_cached_weights, to_fp8
 from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 from torchtitan.distributed.utils import set_spmd_backend
 
-from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info, torchrun_mesh
+from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info, torchrun_mesh, zero_grads
 from .moe_block import block_flops, block_step, build_moe, routing
 
 
@@ -120,13 +122,13 @@ def dispatch_steps(disp, route, x_TD, gy_TD, mesh, dev):
     dist.all_to_all_single(out_counts, per_rank)
     out_splits = out_counts.tolist()
     d = x_TD.size(1)
-    send = torch.randn(sum(in_splits), d, device=dev, dtype=torch.bfloat16)
-    recv = torch.empty(sum(out_splits), d, device=dev, dtype=torch.bfloat16)
-    back = torch.empty_like(send)
 
     def raw():
+        # buffers made per call (the caching allocator hands back the same blocks): held only while timed
+        send = torch.empty(sum(in_splits), d, device=dev, dtype=torch.bfloat16)
+        recv = torch.empty(sum(out_splits), d, device=dev, dtype=torch.bfloat16)
         dist.all_to_all_single(recv, send, out_splits, in_splits)
-        dist.all_to_all_single(back, recv, in_splits, out_splits)
+        dist.all_to_all_single(send, recv, in_splits, out_splits)
 
     # bytes leaving this rank plus bytes arriving from others, both directions
     cross = torch.tensor([(sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank]) * d * 2],
@@ -163,7 +165,8 @@ def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -
                 if ep == 1 and block is None:  # ranks > 0: wait while rank 0 runs the EP=1 block
                     fns.append(noop)
                 else:
-                    fns.append(block_step(block, x, gy, r.replay_ids, replay, requantise=dtype == "fp8"))
+                    fns.append(_releasing(block_step(block, x, gy, r.replay_ids, replay, requantise=dtype == "fp8"),
+                                          block, x))
     disp_fns, cross = dispatch_steps(ep2.routed_experts.token_dispatcher, route, x.detach()[0], gy[0], mesh, dev)
     ms = timed_rounds([*fns, *disp_fns], args.iters, 2, dev)
     block_ms, (fwd_ms, fb_ms, raw_ms) = ms[:len(fns)], ms[len(fns):]
@@ -198,6 +201,24 @@ def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -
     }
 
 
+def _releasing(step: Callable[[], None], block, x) -> Callable[[], None]:
+    """`step`, then its gradients and fp8 weight copies dropped: the next block timed in the round
+    (another EP degree, dtype or replay setting) then finds that memory free. Without this rank 0
+    held every block's gradients and fp8 weights at once and the 64k cases ran out of memory."""
+    def run():
+        step()
+        zero_grads(block)
+        drop_cached_weights(block)
+        x.grad = None
+    return run
+
+
+def _skipped(model: str, tokens: int, dispatcher: str, world: int, err: BaseException) -> dict:
+    """The JSON row of a case that could not run, with the reason, so a run reports it and goes on."""
+    return {"model": model, "tokens_per_rank": tokens, "dispatcher": dispatcher, "ranks": world,
+            "skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+
+
 def _fp8_allowed(dispatcher: str) -> bool:
     try:
         check_moe_options(dispatcher, fp8=True)
@@ -210,7 +231,7 @@ def summary(cases: list[dict]) -> list[dict]:
     """Per model, tokens per rank and dtype: the dispatcher whose EP=N block (replay off) is fastest, and its ratios."""
     best: dict[tuple, tuple[dict, dict]] = {}
     for c in cases:
-        for r in c["blocks"]:
+        for r in c.get("blocks", ()):  # a skipped case has none
             if r["ep"] == c["ranks"] and not r["replay"]:
                 key = (c["model"], c["tokens_per_rank"], r["dtype"])
                 if key not in best or r["ms"] < best[key][0]["ms"]:
@@ -252,7 +273,19 @@ def main() -> None:
                 ep1["fp8"] = fp8_twin(ep1["bf16"])
         for dispatcher in args.dispatchers:
             for tokens in args.tokens:
-                c = case(model, tokens, dispatcher, ep1, mesh, dev, args)
+                try:
+                    c = case(model, tokens, dispatcher, ep1, mesh, dev, args)
+                except torch.OutOfMemoryError as err:
+                    # One GPU: nothing is in flight, the run goes on. Several: another rank may
+                    # be inside a collective this rank will not join, so the run ends here,
+                    # with the cases measured so far and this one written down.
+                    c = _skipped(model, tokens, dispatcher, world, err)
+                    if world > 1:
+                        res["cases"].append(c)
+                        if rank == 0:
+                            results.update({"ep": res})
+                        raise
+                gc.collect()
                 res["cases"].append(c)
                 res["summary"] = summary(res["cases"])
                 if rank == 0:

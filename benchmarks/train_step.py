@@ -48,6 +48,16 @@ def train_flops_per_token(arch, seq_len: int) -> float:
     return 3 * (2 * weights + scores)
 
 
+def _spread(tps: list[float]) -> dict | None:
+    """How much the timed steps differ: the figure a single median hides on a shared GPU."""
+    if not tps:
+        return None
+    med = statistics.median(tps)
+    return {"steps": len(tps), "min": min(tps), "max": max(tps),
+            "stdev_over_median": round(statistics.pstdev(tps) / med, 4),
+            "max_minus_min_over_median": round((max(tps) - min(tps)) / med, 4)}
+
+
 def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int) -> dict:
     """One `torchtitan train` run; per-step tokens/s and TorchTitan's tflops, from its log."""
     from titan_ext.train_config import local_assets
@@ -71,6 +81,7 @@ def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_
         "command": " ".join(cmd), "returncode": proc.returncode, "wall_s": round(time.time() - t0, 1),
         "steps_logged": len(rows), "tps_per_step": [rows[s][0] for s in sorted(rows)],
         "tps_median": statistics.median(t for t, _ in timed) if timed else None,
+        "tps_spread": _spread([t for t, _ in timed]),
         "torchtitan_tflops_median": statistics.median(f for _, f in timed) if timed else None,
         "peak_memory": re.findall(r"memory:\s*([\d.]+)GiB\(([\d.]+)%\)", log)[-1:] or None,
         "log_tail": log[-1500:] if proc.returncode else "",
