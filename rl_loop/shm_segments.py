@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from vllm_ext.weights.shm import SHM_DIR
+from vllm_ext.transport.shm import SHM_DIR
 
 
 def _pids() -> list[int]:

@@ -11,7 +11,7 @@ and publishes the new weights as an HF checkpoint for the inference replicas.
 The run directory is the whole protocol, so the orchestrator and the trainer can
 be restarted independently:
     batches/step_NNNNNN.pt       written by the orchestrator (atomic rename)
-    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.weights filesystem transport;
+    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.transport filesystem transport;
                                  with a sharded lane only at checkpoint steps, for --resume)
     sync/vNNNNNN/rank{r}.json    sharded lanes: rank r's senders' join info for version N (rl_loop.weight_lane)
     trainer/metrics_NNNNNN.json  loss and mismatch metrics of step N
@@ -167,7 +167,7 @@ def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype:
     last, the commit marker, so a replica never loads a half-written version.
     """
     from titan_ext.weights import drain, iter_hf_weights
-    from vllm_ext.weights.wire import write_fs
+    from vllm_ext.transport.wire import write_fs
 
     if dist.get_rank() == 0:
         write_fs(out, iter_hf_weights(model, dtype=wire_dtype, quant=quant), version)
@@ -176,17 +176,17 @@ def publish_weights(model: torch.nn.Module, out: Path, version: int, wire_dtype:
 
 
 class ShardedPublisher:
-    """This rank's end of the sharded lanes (``vllm_ext.weights.sharded``): its pieces of
+    """This rank's end of the sharded lanes (``vllm_ext.transport.sharded``): its pieces of
     every replica worker's weights, planned once from every rank's owned boxes (metadata
     only is exchanged), sent straight from its own shards each step: nothing is gathered."""
 
     def __init__(self, model: torch.nn.Module, replica_tp: list[int], lane: str, wire_dtype: torch.dtype,
                  timeout_s: float = 600.0):
         from titan_ext.weights import hf_metadata, owned_hf_slices, wire_slices
-        from vllm_ext.weights.format import dtype_name, dtype_of
-        from vllm_ext.weights.plan import expert_groups, replica_needs, reshard, wire_shapes
-        from vllm_ext.weights.shm import RingShape
-        from vllm_ext.weights.sharded import ShardedSender
+        from vllm_ext.transport.format import dtype_name, dtype_of
+        from vllm_ext.transport.plan import expert_groups, replica_needs, reshard, wire_shapes
+        from vllm_ext.transport.shm import RingShape
+        from vllm_ext.transport.sharded import ShardedSender
 
         self.model, self.wire_dtype, self.rank = model, wire_dtype, dist.get_rank()
         meta = hf_metadata(model, dtype=wire_dtype)

@@ -4,7 +4,7 @@ Lanes (benchmarks/results/weight_sync.json, section moerl_rl_sync). 'auto' is `s
 replicas (they run on this host): it measured faster per step than `fs` at the main job's size;
 `fs` where shm cannot work, for external replicas (`inference.endpoints`: the run directory is
 what they are sure to share) and for block-fp8 checkpoints (only `fs` exports those).
-  shm  every trainer rank streams only the slices it owns (vllm_ext.weights.sharded), each
+  shm  every trainer rank streams only the slices it owns (vllm_ext.transport.sharded), each
        replica reads them from shared-memory rings: same host only;
   net  the same pieces over gloo (TCP): replicas on other hosts;
   te   the same pieces pulled by the replicas with Mooncake Transfer Engine (P2P, no master;
@@ -59,7 +59,7 @@ def choose_lane(requested: str, *, block_fp8: bool, shm_problem: str | None, man
     if requested != "fs" and block_fp8:
         raise ValueError(f"inference.weight_sync = '{requested}' streams plain tensors, but the checkpoint is "
                          "block-fp8: use 'fs' (or 'auto')")
-    from vllm_ext.weights.te import te_problem
+    from vllm_ext.transport.te import te_problem
 
     if requested == "te" and (problem := te_problem()):
         raise ValueError(f"inference.weight_sync = 'te' cannot work here ({problem}): use 'net' or 'auto'")

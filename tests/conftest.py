@@ -79,7 +79,7 @@ def wire_tensors(tensors: dict, max_elems: int | None = None) -> dict:
     """HF-named tensors in the sharded transport's wire layout (``plan.expert_groups``: experts stacked)."""
     import torch
 
-    from vllm_ext.weights.plan import EXPERT_GROUP_ELEMS, expert_groups
+    from vllm_ext.transport.plan import EXPERT_GROUP_ELEMS, expert_groups
 
     groups = expert_groups({n: tuple(t.shape) for n, t in tensors.items()}, max_elems or EXPERT_GROUP_ELEMS)
     return {g: tensors[g] if ms == [g] else torch.stack([tensors[m] for m in ms]) for g, ms in groups.items()}

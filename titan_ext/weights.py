@@ -1,6 +1,6 @@
 """Stream a (sharded) titan_ext model's weights in HF layout, in layer order.
 
-For weight sync to inference (``vllm_ext.weights`` consumes the stream; titan_ext
+For weight sync to inference (``vllm_ext.transport`` carries the stream; titan_ext
 does not import it). The model may be plain, FSDP2-sharded, expert-parallel or
 both: each parameter that is a ``DTensor`` is materialised with
 ``full_tensor()`` (a collective) **one tensor at a time**, in layer order (the

@@ -1,7 +1,7 @@
 """`moerl plan weights`: bytes per link and predicted time of one weight update to inference.
 
 The update #18 builds: every trainer rank sends only the slices it owns (its FSDP shard, its
-EP experts; `vllm_ext.weights.plan.reshard` decides which), in parallel, and every inference
+EP experts; `vllm_ext.transport.plan.reshard` decides which), in parallel, and every inference
 GPU receives only the slice its replica's TP/EP rank loads. Two ways to reach R replicas:
 
 * direct: each replica pulls its copy from the trainer ranks, so every trainer GPU sends R

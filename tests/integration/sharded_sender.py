@@ -1,7 +1,7 @@
 """One trainer rank of sharded weight updates, from HF checkpoints (for the integration test).
 
 Holds the FSDP2 ``Shard(0)`` block of every tensor that rank ``rank`` of ``world`` would hold,
-plans with ``vllm_ext.weights.plan`` and sends with ``ShardedSender``, as
+plans with ``vllm_ext.transport.plan`` and sends with ``ShardedSender``, as
 ``rl_loop.trainer.ShardedPublisher`` does from a live model. Kept across updates (one torch
 import for the whole test): each line on stdin is one update, ``{"ckpt": DIR, "version": N,
 "lane": "shm"|"net"|"te", "fault": F}``; for each it prints its senders' join info (one JSON
@@ -29,10 +29,10 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.conftest import corrupt_first_ring_piece  # noqa: E402
-from vllm_ext.weights.format import dtype_name  # noqa: E402
-from vllm_ext.weights.plan import expert_groups, fsdp_owned, replica_needs, reshard  # noqa: E402
-from vllm_ext.weights.shm import RingShape, RingWriter  # noqa: E402
-from vllm_ext.weights.sharded import ShardedSender  # noqa: E402
+from vllm_ext.transport.format import dtype_name  # noqa: E402
+from vllm_ext.transport.plan import expert_groups, fsdp_owned, replica_needs, reshard  # noqa: E402
+from vllm_ext.transport.shm import RingShape, RingWriter  # noqa: E402
+from vllm_ext.transport.sharded import ShardedSender  # noqa: E402
 
 _PUBLISH = RingWriter._publish
 _CORRUPT_FIRST = corrupt_first_ring_piece(_PUBLISH)

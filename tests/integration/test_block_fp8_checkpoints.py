@@ -153,8 +153,8 @@ def test_fp8_weight_update_is_what_a_fresh_fp8_server_would_load(published, tmp_
     the same weights, i.e. what a fresh server started from the export would read. A bf16
     update is refused by the same check (no scales)."""
     from vllm_ext.weights.engine import checkpoint_layout
-    from vllm_ext.weights.format import WeightUpdateError
-    from vllm_ext.weights.wire import read_fs, write_fs
+    from vllm_ext.transport.format import WeightUpdateError
+    from vllm_ext.transport.wire import read_fs, write_fs
 
     from titan_ext.checkpoint import checkpoint_quantization
     from titan_ext.weights import iter_hf_weights

@@ -161,8 +161,8 @@ def test_blocks_whose_routing_is_gone_are_a_miss_for_kv_too(pool):
 def test_a_weight_update_moves_the_pool_to_the_new_policy_version(pool):
     from safetensors.torch import load_file
 
-    from vllm_ext.weights.client import push_fs
-    from vllm_ext.weights.wire import write_fs
+    from vllm_ext.transport.client import push_fs
+    from vllm_ext.transport.wire import write_fs
 
     version = "moerl:policy_version"
     v = int(metric(pool.base["A"], version))

@@ -22,7 +22,7 @@ import pytest
 from rl_loop.shm_segments import group_segments
 from tests.conftest import ROOT
 from vllm_ext.routing.handoff import server_segments
-from vllm_ext.weights.shm import PREFIX, SHM_DIR
+from vllm_ext.transport.shm import PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "configs" / "tiny_kimi_k2.toml")

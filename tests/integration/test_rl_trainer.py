@@ -12,7 +12,7 @@ from rl_loop.trainer import TrainerSpec, batch_path, metrics_path, weights_dir, 
 from tests.conftest import ROOT, run_torchrun, ulp_tol
 from titan_ext.checkpoint import load_hf_checkpoint
 from titan_ext.replay import moe_routers
-from vllm_ext.weights.wire import COMMIT_MARKER, read_fs
+from vllm_ext.transport.wire import COMMIT_MARKER, read_fs
 
 
 def _write_batch(run, step, model, arch, seed, logp_noise=0.0):

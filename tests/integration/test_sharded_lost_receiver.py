@@ -1,4 +1,4 @@
-"""A replica worker lost in the middle of a sharded update (vllm_ext.weights.sharded), with real processes.
+"""A replica worker lost in the middle of a sharded update (vllm_ext.transport.sharded), with real processes.
 
 Two trainer ranks (ShardedSenders in this process) update two receiver processes
 (TP=1 replicas r0 and r1) over the shm lane. r1 dies: before it joins (killed by
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
-from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
-from vllm_ext.weights.shm import PREFIX, SHM_DIR, RingShape
-from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
+from vllm_ext.transport.format import TensorMeta, WeightUpdateError, dtype_name
+from vllm_ext.transport.plan import fsdp_owned, replica_needs, reshard
+from vllm_ext.transport.shm import PREFIX, SHM_DIR, RingShape
+from vllm_ext.transport.sharded import ShardedReceiver, ShardedSender
 
 RANKS, TIMEOUT_S, BOUND_S = 2, 60.0, 10.0
 NAMES = ["replica r0 worker 0", "replica r1 worker 0"]
@@ -78,7 +78,7 @@ def lost_receiver(infos: list[dict], version: int, where: str, killed_at) -> Non
     if where == "before":
         time.sleep(3600)
     if where == "verify":  # at the first unit it hashes: the verify pass's first unit
-        import vllm_ext.weights.stream as stream
+        import vllm_ext.transport.stream as stream
 
         stream.unit_digest = lambda parts: _die(killed_at)
 

@@ -45,10 +45,10 @@ from safetensors.torch import load_file
 from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
 from tests.conftest import corrupt_first_ring_piece
-from vllm_ext.weights.client import Replica, ShardedUpdate, WeightSyncError, push_fs, push_stream
-from vllm_ext.weights.format import TensorMeta
-from vllm_ext.weights.shm import SHM_DIR, RingWriter
-from vllm_ext.weights.wire import COMMIT_MARKER, write_fs
+from vllm_ext.transport.client import Replica, ShardedUpdate, WeightSyncError, push_fs, push_stream
+from vllm_ext.transport.format import TensorMeta
+from vllm_ext.transport.shm import SHM_DIR, RingWriter
+from vllm_ext.transport.wire import COMMIT_MARKER, write_fs
 
 pytestmark = pytest.mark.slow
 
@@ -117,9 +117,9 @@ SENDER_KILLED = r'''
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from safetensors.torch import load_file
-from vllm_ext.weights.format import TensorMeta
-from vllm_ext.weights.shm import RingShape
-from vllm_ext.weights.stream import StreamSender
+from vllm_ext.transport.format import TensorMeta
+from vllm_ext.transport.shm import RingShape
+from vllm_ext.transport.stream import StreamSender
 items = sorted(load_file(sys.argv[2]).items())
 s = StreamSender(2, port=int(sys.argv[3]), timeout_s=30, bucket_bytes=1 << 16, streams=1,
                  shm=RingShape(2, 1 << 16) if sys.argv[4] == "shm" else None)

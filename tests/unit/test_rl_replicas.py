@@ -14,7 +14,7 @@ import pytest
 
 from rl_loop.replicas import checkpoint_context, fit_context, last_error_line, server_command
 from rl_loop.shm_segments import group_segments, remove_unused
-from vllm_ext.weights.shm import SHM_DIR
+from vllm_ext.transport.shm import SHM_DIR
 
 
 def _checkpoint(tmp_path, **cfg):

@@ -1,4 +1,4 @@
-"""The update protocol's driver (vllm_ext.weights.client): every step on all replicas at once, a failing
+"""The update protocol's driver (vllm_ext.transport.client): every step on all replicas at once, a failing
 replica dropped alone on the sharded lanes, every paused replica resumed. FakeReplica stands in for a
 vLLM server's dev-mode routes and the plugin's swap route (the real servers are in
 tests/integration/test_weight_sync.py)."""
@@ -12,8 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vllm_ext.weights.client import WeightSyncError, push_fs, push_sharded
-from vllm_ext.weights.swap import ROUTE as SWAP_ROUTE
+from vllm_ext.transport.client import SWAP_ROUTE, WeightSyncError, push_fs, push_sharded
 
 
 class FakeReplica:

@@ -86,7 +86,7 @@ WORKER = textwrap.dedent('''
     # the plan over both ranks' boxes tiles every tensor exactly (buffers, which FSDP2 leaves
     # whole on every rank, are sent by one of them; nothing gathered)
     from titan_ext.weights import OwnedReader, owned_hf_slices
-    from vllm_ext.weights.plan import check_cover, reshard
+    from vllm_ext.transport.plan import check_cover, reshard
     ref = load_file(sys.argv[2] + "/model.safetensors")
     state = model.state_dict()
     mine = owned_hf_slices(model)
@@ -97,7 +97,7 @@ WORKER = textwrap.dedent('''
     # the same in the sharded transport's wire layout (each rank's experts of a stack read in one piece)
     from tests.conftest import wire_tensors
     from titan_ext.weights import wire_slices
-    from vllm_ext.weights.plan import expert_groups
+    from vllm_ext.transport.plan import expert_groups
     groups = expert_groups({k: tuple(v.shape) for k, v in ref.items()})
     wire = wire_tensors(ref)
     assert len(wire) < len(ref)

@@ -1,10 +1,10 @@
-"""The resharding plan (vllm_ext.weights.plan): trainer layout -> replica TP layout."""
+"""The resharding plan (vllm_ext.transport.plan): trainer layout -> replica TP layout."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_ext.weights.plan import (Piece, TpRules, box_numel, check_cover, expert_groups, expert_members,
+from vllm_ext.transport.plan import (Piece, TpRules, box_numel, check_cover, expert_groups, expert_members,
                                    fsdp_boxes, fsdp_owned, replica_needs, reshard, vllm_tp_box, wire_shapes)
 
 SHAPES = {

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     from safetensors.torch import load_file
     from vllm import LLM
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    from vllm_ext.weights.format import WeightUpdateError
+    from vllm_ext.transport.format import WeightUpdateError
     from tests.conftest import wire_tensors
     from vllm_ext.weights.reload import ExpertStacks
 

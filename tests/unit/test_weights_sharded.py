@@ -1,4 +1,4 @@
-"""The sharded transport (vllm_ext.weights.sharded): two trainer ranks -> one TP worker.
+"""The sharded transport (vllm_ext.transport.sharded): two trainer ranks -> one TP worker.
 
 Each rank holds an FSDP2 row block of every tensor and sends only its pieces of the
 worker's TP box, both passes; the worker assembles its box exactly (bit for bit),
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from tests.conftest import corrupt_first_ring_piece
-from vllm_ext.weights import peak_rss
-from vllm_ext.weights.format import TensorMeta, WeightUpdateError, dtype_name
-from vllm_ext.weights.plan import fsdp_owned, replica_needs, reshard
-from vllm_ext.weights.shm import RingShape, RingWriter
-from vllm_ext.weights.sharded import ShardedReceiver, ShardedSender
+from vllm_ext.transport import peak_rss
+from vllm_ext.transport.format import TensorMeta, WeightUpdateError, dtype_name
+from vllm_ext.transport.plan import fsdp_owned, replica_needs, reshard
+from vllm_ext.transport.shm import RingShape, RingWriter
+from vllm_ext.transport.sharded import ShardedReceiver, ShardedSender
 
 RANKS = 2
 

@@ -1,4 +1,4 @@
-"""vllm_ext.weights: both transports (``wire``: filesystem, ``stream``: torch.distributed with
+"""vllm_ext.transport: both transports (``wire``: filesystem, ``stream``: torch.distributed with
 the ``shm`` ring) deliver a whole update or refuse it (no vLLM).
 
 Streaming runs on both data lanes: the shared-memory ring (same host, the
@@ -15,11 +15,11 @@ import threading
 import pytest
 import torch
 
-from vllm_ext.weights import shm
-from vllm_ext.weights.shm import RingShape, RingWriter, ShmRing, choose, sweep
-from vllm_ext.weights.format import TensorMeta, WeightUpdateError, check_against
-from vllm_ext.weights.stream import StreamReceiver, StreamSender, UpdateRefused, stream_receive, unit_plan
-from vllm_ext.weights.wire import COMMIT_MARKER, read_fs, write_fs
+from vllm_ext.transport import shm
+from vllm_ext.transport.shm import RingShape, RingWriter, ShmRing, choose, sweep
+from vllm_ext.transport.format import TensorMeta, WeightUpdateError, check_against
+from vllm_ext.transport.stream import StreamReceiver, StreamSender, UpdateRefused, stream_receive, unit_plan
+from vllm_ext.transport.wire import COMMIT_MARKER, read_fs, write_fs
 
 
 def weights():
@@ -263,7 +263,7 @@ def test_a_sender_gone_before_the_receiver_joins_fails_the_join_at_once():
     import socket
     import time
 
-    from vllm_ext.weights.channel import CONNECT_TIMEOUT_S
+    from vllm_ext.transport.channel import CONNECT_TIMEOUT_S
 
     with socket.socket() as sock:  # a port nothing listens on any more
         sock.bind(("127.0.0.1", 0))

@@ -1,36 +1,21 @@
-"""Weight sync for vLLM replicas: the ``moerl`` weight-transfer backend and its protocol.
+"""The receiving end of weight sync inside vLLM: the ``moerl`` weight-transfer backend.
 
-Pieces (capture -> ship -> apply, by file), each importing only those listed
-before it:
+The transport itself (formats, the filesystem, shared-memory, streaming and sharded
+lanes, the resharding plan, the trainer-side HTTP driver) lives in
+``vllm_ext.transport``, which imports no vLLM; this package adapts it to vLLM's
+worker and API server, by file:
 
-* ``format.py``: what both transports share, no vLLM import: ``TensorMeta``
-  (name, dtype, shape), the one error type ``WeightUpdateError``, checksums
-  (xxh3-64) and the check of an update against the served model's layout;
-* ``wire.py``: the filesystem transport, both ends (safetensors shards +
-  ``moerl_commit.json`` with checksums, written last);
-* ``shm.py``: the same-host shared-memory ring that carries a streamed
-  update's bytes when sender and receiver share a host;
-* ``channel.py``: the TCPStore handshake and gloo process groups between a
-  sender and its receivers, kept across updates;
-* ``stream.py``: the streaming transport over torch.distributed, both ends
-  (control on ``channel.py``, bytes through ``shm.py`` or gloo broadcasts);
-* ``peak_rss.py``: the peak resident memory of a stretch of work (the bound a
-  sharded update promises, logged by the engine and held to in a test);
-* ``plan.py`` and ``sharded.py``: the resharding plan (which trainer rank sends
-  which box to which replica worker, experts stacked on the wire) and the
-  sharded transport that carries it;
-* ``reload.py``: applying an update to the served model: vLLM's layerwise
-  reload, each MoE layer's experts loaded as one stack per projection;
+* ``served.py``: the policy version of the weights this worker's model holds, and who
+  is told when it changes (the KV pool's key namespace);
+* ``reload.py``: applying an update to the served model: vLLM's layerwise reload, each
+  MoE layer's experts loaded as one stack per projection;
 * ``engine.py``: the vLLM worker-side ``WeightTransferEngine`` (backend name
-  ``moerl``): receive, check against the served checkpoint's layout, apply
-  (``reload.py``), roll back on failure;
+  ``moerl``): receive (any ``vllm_ext.transport`` lane), check against the served
+  checkpoint's layout, apply (``reload.py``), roll back on failure;
 * ``api.py``: policy version in every completion/chat response, update state on
   ``/metrics`` (``vllm_ext.metrics``);
 * ``swap.py``: the API server's ``/moerl/swap_weights`` route, a sharded update's
-  pause -> apply -> finish -> resume in one request;
-* ``client.py``: the trainer-side driver (HTTP, stdlib only): pause(keep) ->
-  start -> update -> finish(version) -> resume, for one or many replicas; on the
-  sharded lanes start and the bytes first, while the replicas serve, then the swap.
+  pause -> apply -> finish -> resume in one request.
 
 ``register()`` (called from ``vllm_ext.register``) registers the backend with
 ``WeightTransferEngineFactory`` lazily (the engine module is imported only when

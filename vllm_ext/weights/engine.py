@@ -52,13 +52,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import peak_rss, served
-from .format import TensorMeta, WeightUpdateError
-from .plan import TpRules, expert_groups, vllm_tp_box, wire_shapes
+from ..transport import peak_rss
+from ..transport.format import TensorMeta, WeightUpdateError
+from ..transport.plan import TpRules, expert_groups, vllm_tp_box, wire_shapes
+from ..transport.sharded import ShardedReceiver, Verified
+from ..transport.stream import StreamReceiver
+from ..transport.wire import read_fs
+from . import served
 from .reload import ExpertStacks, reload
-from .sharded import ShardedReceiver, Verified
-from .stream import StreamReceiver
-from .wire import read_fs
 
 # under vLLM's logger: its handler prints INFO lines (update applied, seconds, peak extra memory) in the server log
 logger = logging.getLogger("vllm.moerl.weights")
@@ -235,7 +236,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
             self._apply_sharded(info.version)
         else:
             raise WeightUpdateError(f"sharded update phase {info.phase!r}: send 'receive' (the replica serving), "
-                                    "then 'apply' (paused); vllm_ext.weights.client.ShardedUpdate does")
+                                    "then 'apply' (paused); vllm_ext.transport.client.ShardedUpdate does")
 
     def _begin_sharded(self, info: MoerlUpdateInfo) -> None:
         """Start the verify pass of ``info``'s update in a thread of its own: the replica serves on."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .format import WeightUpdateError
-from .plan import expert_members
+from ..transport.format import WeightUpdateError
+from ..transport.plan import expert_members
 
 __all__ = ["ExpertStacks", "reload"]
 

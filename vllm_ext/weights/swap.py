@@ -18,14 +18,13 @@ after the resume. Added beside vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``).
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the route's parameter annotations,
-# and ``Request`` is imported inside ``_router`` (the trainer-side client imports this module)
+# and ``Request`` is imported inside ``_router``
 import functools
 import time
 from http import HTTPStatus
 
 from ..metrics import state
-
-ROUTE = "/moerl/swap_weights"
+from ..transport.client import SWAP_ROUTE as ROUTE
 
 __all__ = ["ROUTE", "install", "swap"]
 
@@ -79,7 +78,7 @@ def _router():
         if not isinstance(body, dict) or not isinstance(body.get("update_info"), dict) \
                 or not isinstance(body.get("weight_version"), str):
             return error(HTTPStatus.BAD_REQUEST, f"{ROUTE}: expected {{\"update_info\": {{...}}, \"weight_version\": "
-                                                 "\"N\"}} (vllm_ext.weights.client.ShardedUpdate sends it)")
+                                                 "\"N\"}} (vllm_ext.transport.client.ShardedUpdate sends it)")
         try:
             seconds = await swap(raw_request.app.state.engine_client, body["update_info"], body["weight_version"])
         except Exception as exc:  # noqa: BLE001 - answered, the replica resumed on its old weights

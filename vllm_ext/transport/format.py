@@ -8,7 +8,7 @@ against the served model with ``check_against`` before accepting any weight
 bytes, hash with ``hasher``/``digest`` (xxh3-64; also the shared-memory ring's
 per-slot checksum, ``shm.py``) and refuse a bad update with ``WeightUpdateError``.
 
-Imports nothing of the package: every other module of ``vllm_ext.weights``
+Imports nothing of the package: every other module of ``vllm_ext.transport``
 builds on it, and it on none of them.
 """
 

@@ -31,7 +31,7 @@ from .te import TeOffer, TeSink, TeSource, sink_host, te_problem
 
 __all__ = ["StreamSender", "StreamReceiver", "StagingCache", "UpdateRefused", "stream_receive", "unit_plan"]
 
-logger = logging.getLogger("vllm_ext.weights")
+logger = logging.getLogger("vllm_ext.transport")
 
 _ALIGN = 64
 

@@ -1,7 +1,7 @@
 """Peak resident memory of this process over a stretch of work (Linux ``/proc``).
 
 The sharded update promises bounded memory on the replica; this is how the worker
-(``engine.py``) and the test that holds it to the bound (``test_weights_sharded``)
+(``vllm_ext.weights.engine``) and the test that holds it to the bound (``test_weights_sharded``)
 measure it: reset the kernel's high-water mark, do the work, read the mark.
 Counts everything resident, shared-memory ring pages included.
 """

@@ -57,7 +57,7 @@ from .stream import StreamReceiver, StreamSender
 
 __all__ = ["ShardedSender", "ShardedReceiver", "Verified", "VERIFY", "APPLY", "one_pass"]
 
-logger = logging.getLogger("vllm_ext.weights")
+logger = logging.getLogger("vllm_ext.transport")
 
 VERIFY, APPLY = "verify", "apply"
 LOST_GRACE_S = 2.0  # a lost receiver's lane may end by itself (its peer's sockets closed) this long
@@ -345,7 +345,7 @@ class ShardedReceiver:
                version: int, budget: int = 32 << 20) -> Verified:
         """Pass 1 of one update from every trainer rank (``infos``: one ``update_info`` each);
         ``needs``: name -> the box this worker loads. It touches nothing the model serves from,
-        so the replica may go on serving meanwhile (``engine.py`` runs it in the background).
+        so the replica may go on serving meanwhile (``vllm_ext.weights.engine`` runs it in the background).
         ``budget``: the bytes of tensors this worker holds while assembling them; when its whole
         update fits (``one_pass``), it keeps this pass instead of asking for a second. A refusal
         is recorded in the result, for ``apply`` to report (the senders still wait for it)."""

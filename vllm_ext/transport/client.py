@@ -2,11 +2,11 @@
 
 The protocol, per replica: ``POST /pause?mode=keep`` (in-flight requests are
 frozen, not dropped) -> ``/start_weight_update`` -> ``/update_weights`` (one
-complete update, see ``engine.py``) -> ``/finish_weight_update`` with the new
+complete update, see ``vllm_ext.weights.engine``) -> ``/finish_weight_update`` with the new
 version -> ``/resume``. If any step fails the replica is resumed on its previous
 weights and version and ``WeightSyncError`` carries every replica's error.
 The sharded lanes (``ShardedUpdate``) start the update and move its bytes before
-the pause, while the replica still serves; then one request (``swap.ROUTE``) has the
+the pause, while the replica still serves; then one request (``SWAP_ROUTE``) has the
 server pause, apply, finish and resume, so the replica stops serving only to apply.
 Needs vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) and the ``moerl``
 backend (``--weight-transfer-config '{"backend": "moerl"}'``).
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .swap import ROUTE as SWAP_ROUTE
+SWAP_ROUTE = "/moerl/swap_weights"  # served by vllm_ext.weights.swap
 
-__all__ = ["WeightSyncError", "SyncResult", "Replica", "ShardedUpdate", "push_fs", "push_stream", "push_sharded",
+__all__ = ["SWAP_ROUTE", "WeightSyncError", "SyncResult", "Replica", "ShardedUpdate", "push_fs", "push_stream", "push_sharded",
            "publish_fs"]
 
 
@@ -218,7 +218,7 @@ class ShardedUpdate:
         self.begun = [i for i in range(len(self.replicas)) if i not in failures]
 
     def swap(self) -> SyncResult:
-        """The second half, one request to each replica that began (``swap.ROUTE``: the server
+        """The second half, one request to each replica that began (``SWAP_ROUTE``: the server
         pauses, applies, finishes and resumes); raises ``WeightSyncError`` naming every replica
         that failed in either half. ``per_replica[url]``: the seconds of each step there."""
         res = SyncResult(version=self.version, transport="sharded")

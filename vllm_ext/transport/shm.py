@@ -65,7 +65,7 @@ from .format import WeightUpdateError, hasher
 __all__ = ["RingShape", "ShmOffer", "ShmRing", "RingWriter", "attach", "choose", "digester", "gather",
            "host_id", "pieces", "read_ring", "sweep"]
 
-logger = logging.getLogger("vllm_ext.weights")
+logger = logging.getLogger("vllm_ext.transport")
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "moerl-weights-"
