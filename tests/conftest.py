@@ -97,52 +97,13 @@ def corrupt_first_ring_piece(publish: Callable) -> Callable:
     return corrupting
 
 
-# Integration modules that run on the unit tests' worker, beside the server modules, in this order.
-# test_rl_tensor_parallel (one `moerl rl` run, a TP=2 replica and 2 trainer ranks, about 90 s) goes
-# first: it overlaps the server worker's first modules (torchrun numerics, no timing bound). The
-# next two load like unit tests (one process at a time, no server, no timing bound);
-# test_titan_training (torchrun numerics, 3.5 min) evens out the two workers: the unit worker was
-# done 13 minutes before the server worker without it (CI run 21).
-BESIDE_SERVERS = ("test_rl_tensor_parallel", "test_qwen3_moe_port", "test_titan_checkpoints", "test_titan_training")
-# Integration modules that go last on the server worker, after the unit worker is done (its share is
-# the shorter one), so they run alone: test_kv_pool's deadline-bound Mooncake waits. (Its intermittent
-# failure in CI runs 20 and 23, a pooled prefix without its routing rows, was not load: the replicas
-# shared vLLM's connector lookup socket, see `rl_loop.kv_pool.connector_args`.)
-LAST = ("test_kv_pool",)
-
-
-def _module(nodeid: str) -> str:
-    return Path(nodeid.split("::")[0]).stem
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The BESIDE_SERVERS modules first, in that order, the LAST ones last; everything else keeps its order."""
-    def rank(item: pytest.Item) -> int:
-        m = _module(item.nodeid)
-        if m in BESIDE_SERVERS:
-            return BESIDE_SERVERS.index(m)
-        return len(BESIDE_SERVERS) + (m in LAST)
-
-    items.sort(key=rank)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs pytest-xdist with two workers. The integration tests go to one worker, in
-    file order, exactly as a serial run takes them (they start servers on fixed ports, own whole
-    cores and kill process trees); the other worker takes the `BESIDE_SERVERS` modules, then the
-    unit tests, which are mostly single-threaded: a 2-core machine then has both cores busy.
-    (xdist's own `--dist loadgroup` marks do not group on pytest 9.2: xdist renames
-    `item._nodeid`, which pytest 9 no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class IntegrationOnOneWorker(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if not nodeid.startswith("tests/integration/"):
-                return nodeid
-            return "integration beside servers" if _module(nodeid) in BESIDE_SERVERS else "integration"
-
-    return IntegrationOnOneWorker(config, log)
+    """Longest first: the modules marked `slow` (servers, `moerl` runs: one to four minutes each),
+    then the other integration modules (torchrun numerics), then the unit tests, each group in file
+    order. `make test` hands whole files to its two xdist workers in this order (`--dist loadfile
+    --no-loadscope-reorder`), so the quick files fill in at the end and both workers finish at
+    about the same time."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "tests/integration/" not in item.nodeid))
 
 
 @contextmanager

@@ -33,14 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
+from tests.ports import free_port
 from tests.integration.test_vllm_routing import post
 from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
 
-PORTS = {"A": 8771, "B": 8772, "C": 8773}
-POOL = MooncakePool(rpc_port=8781, metrics_port=8782, segment_gib=0.125)
 PROMPT_LEN, BLOCK = 100, 32  # 3 full blocks of 32 are pooled; the last token is always computed
 BLOCKS = PROMPT_LEN // BLOCK
 
@@ -61,12 +60,14 @@ class Pool:
 
     def __init__(self, ckpt, tmp) -> None:
         self.ckpt, self.tmp = ckpt, tmp
-        self.master = MooncakeMaster(POOL, tmp / "kv_pool")
+        self.pool = MooncakePool(rpc_port=free_port(), metrics_port=free_port(), segment_gib=0.125)
+        self.master = MooncakeMaster(self.pool, tmp / "kv_pool")
         self.master.start()
         common = {"dtype": "float32", "max_num_seqs": 8, "kv_cache_gib": 0.25}
         self.replicas = {}
-        for n, port in PORTS.items():
-            args, env = connector_args(POOL, self.master.config_path, port) if n != "C" else (None, None)
+        for n in ("A", "B", "C"):
+            port = free_port()
+            args, env = connector_args(self.pool, self.master.config_path, port) if n != "C" else (None, None)
             self.replicas[n] = start_replica(n, ckpt, port, tmp / "logs", extra=args, env=env, **common)
         wait_healthy(list(self.replicas.values()), timeout_s=600)
         self.base = {n: r.base_url for n, r in self.replicas.items()}
@@ -147,7 +148,7 @@ def test_blocks_whose_routing_is_gone_are_a_miss_for_kv_too(pool):
 
     prompt, _ = pool.pooled_by_a()
     client = MooncakeDistributedStore()  # a real client of the same store: drop every routing value
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"{POOL.host}:{POOL.rpc_port}") == 0
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"{pool.pool.host}:{pool.pool.rpc_port}") == 0
     try:
         assert client.remove_by_regex(".*@moerl-routing$", force=True) >= BLOCKS
     finally:

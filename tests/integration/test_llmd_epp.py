@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import time
 import urllib.request
@@ -44,6 +43,7 @@ from router_ext.scorer import ScorerParams, home_endpoint
 from rl_loop.llmd import LlmdRouter
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 from rl_loop.rollouts import generate_group
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +54,6 @@ def _prompt(label: str) -> list[int]:
     """64 token ids of its own per label (a group's prompt): no prefix is shared between labels."""
     rng = random.Random(label)
     return [rng.randrange(3, 200) for _ in range(64)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric(base_url: str, name: str) -> float:
@@ -109,17 +103,17 @@ def stack(tmp_path_factory, tiny_checkpoint):
     except Unresolvable as e:
         pytest.skip(f"not run: {e}")
     ckpt = tiny_checkpoint("qwen3_moe")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     replicas = [start_replica(n, ckpt, p, tmp / "logs", dtype="float32", max_model_len=1024, max_num_seqs=16,
                               kv_cache_gib=0.25) for n, p in zip(NAMES, ports)]
     procs: list[subprocess.Popen] = []
     try:
         wait_healthy(replicas, timeout_s=600)
         cfg, _ = write(parse_endpoints([f"{n}=127.0.0.1:{p}" for n, p in zip(NAMES, ports)]), tmp / "epp")
-        epp_ports = EppPorts(_free_port(), _free_port(), _free_port())
+        epp_ports = EppPorts(free_port(), free_port(), free_port())
         cmd = epp_command(cfg, binary=str(binaries.epp), ports=epp_ports)
         procs.append(subprocess.Popen(cmd, stdout=open(tmp / "epp.log", "w"), stderr=subprocess.STDOUT))
-        envoy_port = _free_port()
+        envoy_port = free_port()
         procs.append(subprocess.Popen([str(binaries.fakeenvoy), "-listen", f"127.0.0.1:{envoy_port}",
                                        "-epp", f"127.0.0.1:{epp_ports.grpc}"],
                                       stdout=open(tmp / "fakeenvoy.log", "w"), stderr=subprocess.STDOUT))

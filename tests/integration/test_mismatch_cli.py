@@ -17,26 +17,28 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.conftest import two_at_a_time
 
 pytestmark = pytest.mark.slow
 
 
-def _mismatch(ckpt: Path, out_dir: Path, port: int, *args: str) -> subprocess.CompletedProcess:
+def _mismatch(ckpt: Path, out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`moerl mismatch` with its server on a free port."""
     return subprocess.run(
         [sys.executable, "-m", "rl_loop", "mismatch", "--hf-checkpoint", str(ckpt),
-         "--json-out", str(out_dir / "mismatch.json"), "--port", str(port), "--log-dir", str(out_dir / "logs"),
+         "--json-out", str(out_dir / "mismatch.json"), "--port", str(free_port()), "--log-dir", str(out_dir / "logs"),
          *args], capture_output=True, text=True, timeout=1800)
 
 
 def _context_limit(ckpt: Path, out_dir: Path) -> list[subprocess.CompletedProcess]:
     """--max-tokens 300 (over; in its own directory "over"), then one more than the limit that
     error names, then the limit."""
-    runs = [_mismatch(ckpt, out_dir / "over", 18651, "--num-samples", "4", "--max-tokens", "300")]
+    runs = [_mismatch(ckpt, out_dir / "over", "--num-samples", "4", "--max-tokens", "300")]
     m = re.search(r"at most (\d+)\n", runs[0].stderr)
     if m:
         fit = int(m[1])
-        runs += [_mismatch(ckpt, out_dir, 18651, "--num-samples", "4", "--max-tokens", str(n)) for n in (fit + 1, fit)]
+        runs += [_mismatch(ckpt, out_dir, "--num-samples", "4", "--max-tokens", str(n)) for n in (fit + 1, fit)]
     return runs
 
 
@@ -46,7 +48,7 @@ def _broken_server(ckpt: Path, out_dir: Path) -> subprocess.CompletedProcess:
     shutil.copytree(ckpt, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    return _mismatch(broken, out_dir, 18653, "--num-samples", "4", "--max-tokens", "8")
+    return _mismatch(broken, out_dir, "--num-samples", "4", "--max-tokens", "8")
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,9 @@ def runs(tiny_checkpoint, tmp_path_factory):
                                   max_position_embeddings=256)
     dirs = {k: tmp_path_factory.mktemp(k) for k in ("fp32", "context", "broken", "fp8")}
     jobs = {
-        "fp32": partial(_mismatch, tiny_checkpoint("qwen3_moe", 0.1), dirs["fp32"], 18650, "--num-samples", "16",
+        "fp32": partial(_mismatch, tiny_checkpoint("qwen3_moe", 0.1), dirs["fp32"], "--num-samples", "16",
                         "--max-tokens", "16", "--dtype", "float32"),
-        "fp8": partial(_mismatch, tiny_checkpoint("kimi_k2", 0.1), dirs["fp8"], 18652, "--served-weights",
+        "fp8": partial(_mismatch, tiny_checkpoint("kimi_k2", 0.1), dirs["fp8"], "--served-weights",
                        "block-fp8-dequantized", "--num-samples", "4", "--max-tokens", "8"),
         "context": partial(_context_limit, ctx256, dirs["context"]),
         "broken": partial(_broken_server, ctx256, dirs["broken"]),

@@ -20,17 +20,19 @@ import psutil
 import pytest
 
 from rl_loop.shm_segments import group_segments
+from tests.ports import free_ports
 from tests.conftest import ROOT
 from vllm_ext.routing.handoff import server_segments
 from vllm_ext.transport.shm import PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "configs" / "tiny_kimi_k2.toml")
-PORT = 18471
 STEPS = ["--set", "train.steps=9", "--set", "train.checkpoint_interval=2"]
 
 
-def _moerl_rl(run_dir: Path, *extra: str, port: int) -> subprocess.Popen:
+def _moerl_rl(run_dir: Path, *extra: str, port: int | None = None) -> subprocess.Popen:
+    """`moerl rl` on the tiny config; its replicas serve on `port` + i (default: free ports)."""
+    port = free_ports(2) if port is None else port
     cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", CONFIG, "--set", f"run_dir={run_dir}",
            "--set", f"inference.base_port={port}", "--set", "rollout.prompts_per_step=4", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -66,9 +68,9 @@ def _finish(proc, timeout_s: float = 900) -> str:
     return out
 
 
-def _run_to_end(run_dir: Path, *extra: str, port: int) -> tuple[int, str]:
+def _run_to_end(run_dir: Path, *extra: str) -> tuple[int, str]:
     """`moerl rl` run to its end: (exit code, output); its process tree is killed if waiting fails."""
-    proc = _moerl_rl(run_dir, *extra, port=port)
+    proc = _moerl_rl(run_dir, *extra)
     try:
         out = _finish(proc)
     finally:
@@ -98,7 +100,8 @@ class Faults:
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> Faults:
     run_dir = tmp_path_factory.mktemp("faults") / "run"
-    proc = _moerl_rl(run_dir, *STEPS, port=PORT)
+    port = free_ports(2)
+    proc = _moerl_rl(run_dir, *STEPS, port=port)
     try:
         _wait_for_step(proc, run_dir, 3)
         trainer = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -116,10 +119,10 @@ def faults(tmp_path_factory) -> Faults:
     # The resumed run starts after the newest reported checkpoint, at most at the killed run's last
     # step: a record past that step is the resumed run's.
     after = max(r["step"] for r in _records(run_dir)) + 1
-    proc = _moerl_rl(run_dir, *STEPS, "--resume", port=PORT)
+    proc = _moerl_rl(run_dir, *STEPS, "--resume", port=port)
     try:
         _wait_for_step(proc, run_dir, after)
-        killed_replica = _listener(PORT + 1).pid
+        killed_replica = _listener(port + 1).pid
         # vLLM's engine-worker message queues (its process group is its own)
         vllm_segments = [p for p in group_segments(killed_replica) if os.path.basename(p).startswith("psm_")]
         assert vllm_segments

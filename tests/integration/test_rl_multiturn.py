@@ -30,6 +30,7 @@ import verifiers as vf
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from tests.ports import free_port
 from tests.conftest import mask_spans
 from rl_loop.batch import ModelShape, pack
 from rl_loop.loss import LossConfig
@@ -45,7 +46,6 @@ from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
 
-PORT = 8721
 TURN_TOKENS = 40  # per model turn: several 32-token KV blocks are cached between turns
 
 
@@ -54,7 +54,7 @@ def server(tmp_path_factory):
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen"), dtype="float32", init_scale=0.2)
-    replica = start_replica("multiturn", ckpt, PORT, tmp_path_factory.mktemp("logs"), dtype="float32",
+    replica = start_replica("multiturn", ckpt, free_port(), tmp_path_factory.mktemp("logs"), dtype="float32",
                             max_num_seqs=16, kv_cache_gib=0.5)
     try:
         wait_healthy([replica], timeout_s=600)

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 from tests.integration.test_rl_faults import _records, _run_to_end
+from tests.ports import free_ports
 from tests.integration.test_vllm_routing import post
 from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.missing import REASONS, SHM_FULL
@@ -31,7 +32,6 @@ from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
 
-PORT = 8741
 EVERY = 3
 
 
@@ -48,7 +48,7 @@ def test_lost_routing_is_in_the_response_on_metrics_and_in_the_rl_metrics(tmp_pa
 
     # the checkpoint `moerl rl` would make for configs/tiny_kimi_k2.toml, given to it explicitly
     ckpt = make_tiny_checkpoint("kimi_k2", tmp_path / "ckpt", dtype="float32", init_scale=0.1, seed=0)
-    replica = start_replica("faulty", ckpt, PORT, tmp_path / "logs", dtype="bfloat16", max_num_seqs=32,
+    replica = start_replica("faulty", ckpt, free_ports(), tmp_path / "logs", dtype="bfloat16", max_num_seqs=32,
                             kv_cache_gib=0.25, extra=["--trust-request-chat-template"],
                             env={"MOERL_ROUTING_FAULT": f"shm_full:{EVERY}"})
     try:
@@ -83,7 +83,7 @@ def test_lost_routing_is_in_the_response_on_metrics_and_in_the_rl_metrics(tmp_pa
         # one `moerl rl` step against this replica (4 prompts x 8 samples)
         run_dir = tmp_path / "run"
         rc, log = _run_to_end(run_dir, "--set", "inference.replicas=0", "--set", f'inference.endpoints=["{base}"]',
-                              "--set", f"model.checkpoint={ckpt}", "--set", "train.steps=1", port=PORT + 1)
+                              "--set", f"model.checkpoint={ckpt}", "--set", "train.steps=1")
         assert rc == 0, log[-4000:]
         (record,) = _records(run_dir)
         rejected = record["rejected"]

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from rl_loop.loss import mismatch_k3
+from tests.ports import free_port
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-PORT = 18640
 NUM_PROMPTS = 12
 MAX_TOKENS = 24
 
@@ -55,7 +55,7 @@ def _greedy(ckpt, tmp_path, envs: dict[str, dict | None]) -> dict[str, list[tupl
     replicas = {}
     try:
         for i, (label, env) in enumerate(envs.items()):
-            replicas[label] = start_replica(label, ckpt, PORT + i, tmp_path, dtype="bfloat16", max_num_seqs=16,
+            replicas[label] = start_replica(label, ckpt, free_port(), tmp_path, dtype="bfloat16", max_num_seqs=16,
                                             env=env, cpus=(cores[i % len(cores)],))
         wait_healthy(list(replicas.values()), timeout_s=900)
         return {label: _complete_each(replica, prompts) for label, replica in replicas.items()}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import socket
 import urllib.error
 import urllib.request
 from importlib import metadata
@@ -35,6 +34,7 @@ import numpy as np
 import pytest
 
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
+from tests.ports import free_port
 from vllm_ext.api import moe_layer_indices
 from vllm_ext.routing.record import RoutingRecord, decode_record_b64
 
@@ -62,12 +62,6 @@ def _plugin_pythonpath(tmp: Path) -> str:
         (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmoerl_routing = vllm_ext:register\n")
         paths.insert(0, str(tmp / "ep"))
     return os.pathsep.join(paths)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(base: str, path: str, body: dict, stream: bool = False):
@@ -290,10 +284,10 @@ def servers(qwen_ckpt, kimi_ckpt, tmp_path_factory):
     kimi_extra = (["--hf-overrides", json.dumps(KIMI_ROUTING)]
                   if any(cfg.get(k) != v for k, v in KIMI_ROUTING.items()) else [])
     started = [
-        start_replica("qwen3_moe", qwen_ckpt, _free_port(), tmp, dtype="float32", max_model_len=512, max_num_seqs=8,
+        start_replica("qwen3_moe", qwen_ckpt, free_port(), tmp, dtype="float32", max_model_len=512, max_num_seqs=8,
                       enforce_eager=False, env=env,
                       extra=[*common, "--num-gpu-blocks-override", "24", "--trust-request-chat-template"]),
-        start_replica("kimi_k2", kimi_ckpt, _free_port(), tmp, dtype="bfloat16", max_model_len=512, max_num_seqs=8,
+        start_replica("kimi_k2", kimi_ckpt, free_port(), tmp, dtype="bfloat16", max_model_len=512, max_num_seqs=8,
                       enforce_eager=False, env=env, extra=[*common, *kimi_extra]),
     ]
     try:

