@@ -310,7 +310,7 @@ def _describe_type(info) -> str:
 
 
 def describe() -> str:
-    """Every knob with its default, type and help, for `moerl rl --help` and the README."""
+    """Every knob with its default, type and help, for `moerl rl --help`."""
     lines = []
 
     def knobs(cls, indent: str) -> None:

