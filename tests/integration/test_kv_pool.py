@@ -33,8 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
-from tests.ports import free_port
 from tests.integration.test_vllm_routing import post
+from tests.ports import free_port
 from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.record import decode_record_b64
 

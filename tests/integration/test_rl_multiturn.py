@@ -30,8 +30,8 @@ import verifiers as vf
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from tests.ports import free_port
 from tests.conftest import mask_spans
+from tests.ports import free_port
 from rl_loop.batch import ModelShape, pack
 from rl_loop.loss import LossConfig
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy

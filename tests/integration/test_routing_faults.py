@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 from tests.integration.test_rl_faults import _records, _run_to_end
-from tests.ports import free_ports
 from tests.integration.test_vllm_routing import post
+from tests.ports import free_ports
 from vllm_ext.routing.handoff import SHM_DIR
 from vllm_ext.routing.missing import REASONS, SHM_FULL
 from vllm_ext.routing.record import decode_record_b64

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from rl_loop.loss import mismatch_k3
-from tests.ports import free_port
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -44,8 +44,8 @@ from safetensors.torch import load_file
 
 from rl_loop.replicas import Replica as ManagedReplica
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
-from tests.ports import free_port
 from tests.conftest import corrupt_first_ring_piece
+from tests.ports import free_port
 from vllm_ext.transport.client import Replica, ShardedUpdate, WeightSyncError, push_fs, push_stream
 from vllm_ext.transport.format import TensorMeta
 from vllm_ext.transport.shm import SHM_DIR, RingWriter

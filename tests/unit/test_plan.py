@@ -16,13 +16,14 @@ from rl_loop.plan.comm import comm_volume, cp_latent_gather_bytes, cp_latent_val
 from rl_loop.plan.layout import Layout, Workload
 from rl_loop.plan.memory import FP32, dsa_layer, memory_per_gpu, moe_block
 from rl_loop.plan.model import load_arch, param_counts
-from rl_loop.plan.rates import CP, Rates
+from rl_loop.plan.rates import Rates
 from rl_loop.plan.search import make_plan
 from rl_loop.plan.step_time import attention_seconds
 from rl_loop.plan.weights import WeightSyncSetup, lane_rates, loader_tensors, transfer_seconds
 from tests.conftest import VENV_BIN
 
 RATES = Rates()
+CP_RUN = "cp_h200_1gpu.json"  # the CP benchmark's one-GPU run (rates.CP, the 2-GPU run, is not measured yet)
 GIB = 2**30
 PRIME_RL = Layout(cp=4, ep=8, fsdp=32, fp8=True, ac="offload")  # GLM-5 131k on 16 x 8 H200
 
@@ -58,42 +59,35 @@ def test_optimizer_state_equals_adamw_on_the_model():
     assert mem.params == sum(p.numel() for p in model.parameters()) * FP32
 
 
-def test_dsa_layer_memory_within_15pct_of_h200_peak():
+def test_dsa_layer_memory_within_0_25pct_of_h200_peak():
+    """One GLM-5 DSA layer: 13.10 / 45.42 GiB predicted against 13.07 / 45.44 measured."""
     arch = load_arch("glm5")
     points = RATES.dsa_points()
     assert [p.tokens for p in points] == [32768, 131072]
     for p in points:
         predicted = dsa_layer(arch, p.tokens).peak_with_grads / GIB
-        assert abs(predicted / p.gib_above_inputs.value - 1) < 0.15, (p.tokens, predicted, p.gib_above_inputs)
+        assert abs(predicted / p.gib_above_inputs.value - 1) < 0.0025, (p.tokens, predicted, p.gib_above_inputs)
 
 
-def test_moe_block_memory_within_15pct_of_h200_peak():
+# the measured peaks of one MoE block against the model: within 5.5% in bf16 and 10% in fp8 (the fp8
+MOE_BLOCK_TOLERANCE = {"bf16": 0.055, "fp8": 0.10}
+
+
+def test_moe_block_memory_within_the_stated_tolerance_of_h200_peak():
     entries = RATES.moe_memory()
     assert {(e["model"], e["tokens"], e["dtype"]) for e in entries} >= {
         (m, t, d) for m in ("glm5", "kimi_k2") for t in (16384, 65536) for d in ("bf16", "fp8")}
     for e in entries:  # the benchmark's block routes over its local experts only
         arch = dataclasses.replace(load_arch(e["model"]), num_experts=e["local_experts"])
         predicted = moe_block(arch, e["tokens"], e["local_experts"]).peak_with_grads / GIB
-        assert abs(predicted / e["gib_above_inputs"] - 1) < 0.15, (e, predicted)
-
-
-def _gather_entries(obj):
-    """Every dict of a CP results file that records a sequence length and a per-layer gather size."""
-    if isinstance(obj, dict):
-        if "tokens" in obj and "latent_gather_bytes_per_layer" in obj:
-            yield obj
-        obj = list(obj.values())
-    if isinstance(obj, list):
-        for v in obj:
-            yield from _gather_entries(v)
+        assert abs(predicted / e["gib_above_inputs"] - 1) < MOE_BLOCK_TOLERANCE[e["dtype"]], (e, predicted)
 
 
 def test_cp_latent_gather_volume_equals_the_cp_formula():
     """The plan's CP volume is (kv_lora 512 + rope 64 + indexer key 128) x 2 bytes x tokens per layer and
-    forward, of which a rank receives (cp - 1) / cp. Checked against the CP benchmark's result
-    (benchmarks/results/cp_h200.json) where it exists - it does not yet: the GPU run has not
-    happened. The formula is titan_ext's (titan_ext/models/cp_volume.py), the one its context
-    parallel re-exports."""
+    forward, of which a rank receives (cp - 1) / cp. Checked against the bytes the CP benchmark's
+    H200 run gathered per layer (`cp_h200_1gpu.json: cp_layers[i].gathered_bytes_per_layer`). The
+    formula is titan_ext's (titan_ext/models/cp_volume.py), the one its context parallel re-exports."""
     arch = load_arch("glm5")
     assert cp_latent_values(arch) == 512 + 64 + 128
     assert cp_latent_gather_bytes(arch, 131072) == 704 * 2 * 131072
@@ -103,11 +97,10 @@ def test_cp_latent_gather_volume_equals_the_cp_formula():
     per_layer = 704 * 2 * work.seq_len * (layout.cp - 1) / layout.cp
     forwards = 2  # the forward and the one AC recomputes
     assert volume == sequences_per_rank(layout, work) * arch.n_layers * forwards * per_layer
-    if RATES.has(CP):
-        entries = list(_gather_entries(RATES.file(CP)))
-        assert entries, f"{CP} records no tokens + latent_gather_bytes_per_layer: adapt this test to its keys"
-        for e in entries:
-            assert cp_latent_gather_bytes(arch, e["tokens"]) == e["latent_gather_bytes_per_layer"]
+    layers = [e for e in RATES.file(CP_RUN)["cp_layers"] if e["model"] == "glm5"]
+    assert layers, f"{CP_RUN} has no GLM-5 layer run"
+    for e in layers:
+        assert cp_latent_gather_bytes(arch, e["tokens"]) == e["latent_formula_bytes"] == e["gathered_bytes_per_layer"]
     from titan_ext.models.context_parallel import latent_gather_bytes  # the trainer's CP module re-exports it
 
     assert latent_gather_bytes(131072, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128) == 704 * 2 * 131072
@@ -115,7 +108,8 @@ def test_cp_latent_gather_volume_equals_the_cp_formula():
 
 def test_weight_update_time_matches_measured_stream_runs():
     """One sender, one receiver, the lane's rate at its largest run: the 1 GB and 4 GB runs'
-    times within 15% (the 84 MB runs are dominated by per-update overhead and left out)."""
+    times within 1% (measured: 0.7% at most; the 84 MB runs are dominated by per-update overhead
+    and left out)."""
     lanes = lane_rates(RATES)
     checked = 0
     for run in RATES.weight_sync_runs():
@@ -125,7 +119,7 @@ def test_weight_update_time_matches_measured_stream_runs():
                                 trainer_link_gbps=lanes[run["transport"]].value,
                                 inference_link_gbps=lanes[run["transport"]].value)
         seconds = transfer_seconds(setup, "direct")[0]
-        assert abs(seconds / run["seconds"] - 1) < 0.15, (run["key"], seconds, run["seconds"])
+        assert abs(seconds / run["seconds"] - 1) < 0.01, (run["key"], seconds, run["seconds"])
         checked += 1
     assert checked >= 4
 
