@@ -20,10 +20,11 @@ from rl_loop.plan.rates import Rates
 from rl_loop.plan.search import make_plan
 from rl_loop.plan.step_time import attention_seconds
 from rl_loop.plan.weights import WeightSyncSetup, lane_rates, loader_tensors, transfer_seconds
-from tests.conftest import VENV_BIN
+from tests.conftest import ROOT, VENV_BIN
 
 RATES = Rates()
-CP_RUN = "cp_h200_1gpu.json"  # the CP benchmark's one-GPU run (rates.CP, the 2-GPU run, is not measured yet)
+# the CP benchmark's one-GPU H200 run (the planner reads no CP rate; the 2-GPU run is not measured yet)
+CP_RUN = ROOT / "benchmarks" / "results" / "cp_h200_1gpu.json"
 GIB = 2**30
 PRIME_RL = Layout(cp=4, ep=8, fsdp=32, fp8=True, ac="offload")  # GLM-5 131k on 16 x 8 H200
 
@@ -70,6 +71,7 @@ def test_dsa_layer_memory_within_0_25pct_of_h200_peak():
 
 
 # the measured peaks of one MoE block against the model: within 5.5% in bf16 and 10% in fp8 (the fp8
+# block is modelled as the bf16 one; measured 5.0% and 9.6% at most), as benchmarks/README.md says
 MOE_BLOCK_TOLERANCE = {"bf16": 0.055, "fp8": 0.10}
 
 
@@ -97,7 +99,7 @@ def test_cp_latent_gather_volume_equals_the_cp_formula():
     per_layer = 704 * 2 * work.seq_len * (layout.cp - 1) / layout.cp
     forwards = 2  # the forward and the one AC recomputes
     assert volume == sequences_per_rank(layout, work) * arch.n_layers * forwards * per_layer
-    layers = [e for e in RATES.file(CP_RUN)["cp_layers"] if e["model"] == "glm5"]
+    layers = [e for e in json.loads(CP_RUN.read_text())["cp_layers"] if e["model"] == "glm5"]
     assert layers, f"{CP_RUN} has no GLM-5 layer run"
     for e in layers:
         assert cp_latent_gather_bytes(arch, e["tokens"]) == e["latent_formula_bytes"] == e["gathered_bytes_per_layer"]
