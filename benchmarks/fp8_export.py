@@ -13,11 +13,11 @@ tests check) bit for bit, fp8 bytes and scales, on `--check-experts` experts of 
 tensor and on the shared expert: Triton's interpreter cannot show this (its fp32 -> e4m3 cast
 differs), the GPU's round-to-nearest-even cast should.
 
-    python benchmarks/fp8_export.py --out benchmarks/results/fp8_export_h200.json
-    python benchmarks/fp8_export.py --experts 2 --dim 384 --hidden 256 --out /tmp/x.json   # CPU check
+    python -m benchmarks.fp8_export --out benchmarks/results/fp8_export_h200.json
+    python -m benchmarks.fp8_export --experts 2 --dim 384 --hidden 256 --out /tmp/x.json   # CPU check
 
-Imports only `block_fp8` and its kernel (loaded as a package of their own): the H200 image has
-torch and Triton but no torchtitan, which `titan_ext.models` imports.
+Imports `titan_ext.models`, hence TorchTitan: on a bare GPU machine install the checkout first
+(scripts/gpu_check.sh does).
 """
 
 from __future__ import annotations
@@ -29,19 +29,11 @@ import os
 import platform
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_block_fp8():
-    pkg = types.ModuleType("_block_fp8_pkg")
-    pkg.__path__ = [str(ROOT / "titan_ext" / "models")]
-    sys.modules["_block_fp8_pkg"] = pkg
-    return importlib.import_module("_block_fp8_pkg.block_fp8")
+from titan_ext.models import block_fp8 as bf
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -74,11 +66,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    bf = load_block_fp8()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if kernel:
-        quant = importlib.import_module("_block_fp8_pkg.block_fp8_triton").quantize_cuda
+        from titan_ext.models.block_fp8_triton import quantize_cuda as quant
     else:
         quant = bf.quantize_torch
     block = bf.DEFAULT_BLOCK

@@ -53,7 +53,8 @@ from vllm_ext.transport.client import Replica as ClientReplica, ShardedUpdate, p
 from vllm_ext.transport.shm import sweep
 from vllm_ext.transport.wire import COMMIT_MARKER
 
-from .trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
+from .run_dir import batch_path, metrics_path, weights_dir, write_atomic
+from .trainer import TrainerSpec
 from .weight_lane import LaneChoice, choose_lane, read_infos, write_off
 
 

@@ -8,14 +8,8 @@ replay, applies `rl_loop.loss.policy_loss`, steps the optimizer, saves a
 TorchTitan checkpoint every `checkpoint_interval` steps (for `moerl rl --resume`)
 and publishes the new weights as an HF checkpoint for the inference replicas.
 
-The run directory is the whole protocol, so the orchestrator and the trainer can
-be restarted independently:
-    batches/step_NNNNNN.pt       written by the orchestrator (atomic rename)
-    weights/vNNNNNN/             policy version N in HF layout (vllm_ext.transport filesystem transport;
-                                 with a sharded lane only at checkpoint steps, for --resume)
-    sync/vNNNNNN/rank{r}.json    sharded lanes: rank r's senders' join info for version N (rl_loop.weight_lane)
-    trainer/metrics_NNNNNN.json  loss and mismatch metrics of step N
-    trainer/checkpoint/          TorchTitan checkpoints
+The run directory is the whole protocol between the orchestrator and the trainer
+(`rl_loop.run_dir`), so either can be restarted independently.
 
 usage: torchrun --nproc_per_node N -m rl_loop.trainer RUN_DIR
 """
@@ -27,7 +21,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +31,8 @@ import torch.distributed as dist
 
 from .batch import Batch
 from .loss import LossConfig, policy_loss, token_logprobs
+from .run_dir import batch_path, metrics_path, weights_dir, write_atomic
+from .weight_lane import sync_dir, written_off
 
 if TYPE_CHECKING:
     from .config import RLConfig
@@ -83,27 +78,6 @@ class TrainerSpec:
     @classmethod
     def load(cls, run_dir: Path) -> "TrainerSpec":
         return cls(**json.loads((run_dir / "trainer" / "spec.json").read_text()))
-
-
-def batch_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "batches" / f"step_{step:06d}.pt"
-
-
-def weights_dir(run_dir: Path, version: int) -> Path:
-    return run_dir / "weights" / f"v{version:06d}"
-
-
-def metrics_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "trainer" / f"metrics_{step:06d}.json"
-
-
-def write_atomic(path: Path, writer) -> None:
-    """`writer(tmp)`, then rename tmp to `path`: readers see the whole file or none. The temporary
-    name is per process and thread, so threads may write at once (the orchestrator's write-offs)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
-    writer(tmp)
-    os.replace(tmp, path)
 
 
 def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, replay: bool,
@@ -217,7 +191,6 @@ class ShardedPublisher:
     def publish(self, run_dir: Path, version: int) -> dict:
         """Offer `version` (sync/vN/rank{r}.json) and send it once the replicas join; a replica the
         orchestrator writes off (rl_loop.weight_lane) costs only its own lanes."""
-        from rl_loop.weight_lane import sync_dir, written_off
         from titan_ext.weights import OwnedReader
 
         infos = self.sender.update_infos(version)
@@ -256,8 +229,10 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
-    import titan_ext  # noqa: F401 - importing it applies the runtime patches
+    import titan_ext
     from titan_ext.teardown import destroy_process_group_together
+
+    titan_ext.activate()  # the trainer's patches (patches/), before train() imports torchtitan
 
     train(Path((argv or sys.argv[1:])[0]).resolve())
     # after train() returned: its Trainer, which holds the process groups, is garbage now

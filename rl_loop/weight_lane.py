@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .trainer import write_atomic
+from .run_dir import write_atomic
 
 __all__ = ["LaneChoice", "choose_lane", "sync_dir", "read_infos", "write_off", "written_off"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..cli import positive_int
 from .layout import AC_MODES, H200_BYTES, RECIPES, Layout, PlanError, Workload, check_layout
 from .model import MODELS, load_arch, param_counts
-from .rates import RESULTS_DIR, Rates
+from .rates import SHIPPED, Rates
 from .report import plan_dict, plan_text, rates_text, weights_text
 from .search import make_plan, search
 from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, loader_tensors, plan_weight_sync
@@ -19,8 +19,9 @@ from .weights import BYTES_PER_PARAM, WeightSyncSetup, lane_rates, loader_tensor
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, required=True, help="titan_ext model (full size)")
     p.add_argument("--trainer-gpus", type=positive_int, required=True, metavar="G", help="trainer H200s")
-    p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR",
-                   help="where the measured rates are read (default: the repository's benchmarks/results)")
+    p.add_argument("--results", type=Path, default=SHIPPED, metavar="DIR",
+                   help="read the measured rates from the benchmarks' JSON files in DIR (e.g. benchmarks/results) "
+                        "instead of the copies shipped with moerl")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
 
 

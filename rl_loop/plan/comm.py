@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from titan_ext.models.cp_volume import latent_gather_bytes
+
 from .layout import Layout, Workload
-from .model import ParamCounts, light_module
+from .model import ParamCounts
 
 BF16, FP32 = 2, 4
 
@@ -17,7 +19,7 @@ BF16, FP32 = 2, 4
 def cp_latent_gather_bytes(arch, tokens: int, dtype_bytes: int = BF16) -> int:
     """Bytes of one layer's gathered latent keys over a sequence of `tokens`: what a DSA/MLA layer
     under titan_ext's context parallel all-gathers once per forward (titan_ext's own formula)."""
-    return light_module("cp_volume").latent_gather_bytes(
+    return latent_gather_bytes(
         tokens, kv_lora_rank=arch.kv_lora_rank, qk_rope_head_dim=arch.qk_rope_head_dim,
         index_head_dim=arch.index_head_dim if arch.has_indexer else 0, dtype_bytes=dtype_bytes)
 

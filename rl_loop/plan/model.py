@@ -1,43 +1,26 @@
-"""titan_ext's model specs, read without torch, and their parameter counts by part."""
+"""titan_ext's model specs and their parameter counts by part.
+
+The architectures are titan_ext's own flavors (``titan_ext.models.glm5`` / ``kimi_k2``), the
+very definitions the trainer builds from, imported as any other module; importing them loads
+torch and TorchTitan through ``titan_ext.models`` (a few seconds), nothing is patched.
+"""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-import types
 from dataclasses import dataclass
-from pathlib import Path
+
+from titan_ext.models import glm5, kimi_k2
+from titan_ext.models.arch import MLAMoEArch
 
 MODELS = ("glm5", "kimi_k2")
-_SPECS_PACKAGE = "_moerl_plan_specs"
+_FLAVORS = {"glm5": glm5.FLAVORS, "kimi_k2": kimi_k2.FLAVORS}
 
 
-def _specs_package() -> str:
-    """A package whose path is titan_ext/models, registered without running its __init__.
-
-    Importing titan_ext applies the torch patches and titan_ext.models imports TorchTitan
-    (about 8 s); the architecture dataclass (arch.py), each model's flavors (<model>/__init__.py)
-    and the CP gather formula (cp_volume.py) import only the standard library and each other, so
-    they load through this package in milliseconds and are the very code the trainer runs."""
-    if _SPECS_PACKAGE not in sys.modules:
-        root = Path(importlib.util.find_spec("titan_ext").submodule_search_locations[0]) / "models"
-        pkg = types.ModuleType(_SPECS_PACKAGE)
-        pkg.__path__ = [str(root)]
-        sys.modules[_SPECS_PACKAGE] = pkg
-    return _SPECS_PACKAGE
-
-
-def light_module(name: str) -> types.ModuleType:
-    """A torch-free module of titan_ext/models (`arch`, a model's flavors, `cp_volume`), loaded as above."""
-    return importlib.import_module(f"{_specs_package()}.{name}")
-
-
-def load_arch(model: str, flavor: str = "full"):
+def load_arch(model: str, flavor: str = "full") -> MLAMoEArch:
     """The `MLAMoEArch` of titan_ext's `model` / `flavor` (ValueError naming the choices)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; moerl plan knows {', '.join(MODELS)}")
-    flavors = light_module(model).FLAVORS
+    flavors = _FLAVORS[model]
     if flavor not in flavors:
         raise ValueError(f"unknown flavor {flavor!r} of {model}; it has {', '.join(flavors)}")
     return flavors[flavor]

@@ -1,8 +1,14 @@
-"""The measured rates a plan runs on, each read from benchmarks/results/*.json with its key.
+"""The measured rates a plan runs on, each read from a benchmark's results JSON with its key.
 
 A `Rate` carries the file and key it came from, so every figure a plan prints can be traced
 to the run that measured it (and its command, recorded in the same file). Nothing here has a
 default number: a missing file or key is an error naming it.
+
+The files are the benchmarks' own (benchmarks/results/*.json). moerl ships a copy of the ones
+a plan reads (`SHIPPED`, package data, so `moerl plan` works from an installed wheel);
+`moerl plan --results DIR` reads fresh ones instead. After a benchmark rewrites one, copy it:
+    cp benchmarks/results/{moe_block_h200,weight_sync,weight_reload,train_step_h200}.json rl_loop/plan/measured/
+(tests/unit/test_plan_rates.py fails while the copies differ from benchmarks/results.)
 """
 
 from __future__ import annotations
@@ -13,12 +19,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SHIPPED = Path(__file__).resolve().parent / "measured"
 MOE_BLOCK = "moe_block_h200.json"
 WEIGHT_SYNC = "weight_sync.json"
 WEIGHT_RELOAD = "weight_reload.json"
-CP = "cp_h200.json"
 TRAIN_STEP = "train_step_h200.json"
+READ = (MOE_BLOCK, WEIGHT_SYNC, WEIGHT_RELOAD, TRAIN_STEP)  # the files a plan reads, shipped in SHIPPED
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def _nearest(entries: list[tuple[int, dict]], tokens: int) -> tuple[int, dict]:
 class Rates:
     """Look-ups into the results files of one directory (each file read once)."""
 
-    def __init__(self, results: Path = RESULTS_DIR):
+    def __init__(self, results: Path = SHIPPED):
         self.results = Path(results)
         self._files: dict[str, dict] = {}
 
@@ -66,9 +72,6 @@ class Rates:
         if name not in self._files:
             self._files[name] = read_json(self.results, name)
         return self._files[name]
-
-    def has(self, name: str) -> bool:
-        return (self.results / name).is_file()
 
     def moe_block_tflops(self, model: str, fp8: bool, tokens: int) -> Rate:
         """titan_ext's MoE block fwd+bwd with router replay (eager; fp8 re-quantising its weights

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from . import Prompt, TextTurnsTask
+from .base import Prompt, TextTurnsTask
 
 CLASSES = {
     "digits": str.isdigit,

@@ -44,7 +44,7 @@ import verifiers as vf
 
 from ..report import log
 from ..rollouts import Conversation, GroupFailed, RolloutContext
-from . import Episode, Prompt, turn_seed
+from .base import Episode, Prompt, turn_seed
 from .chat import chat_format, message_role_text
 
 

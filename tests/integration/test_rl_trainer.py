@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 from rl_loop.batch import ModelShape, Sample, pack
 from rl_loop.config import RLConfig, parse_overrides
 from rl_loop.loss import token_logprobs
-from rl_loop.trainer import TrainerSpec, batch_path, metrics_path, weights_dir, write_atomic
+from rl_loop.run_dir import batch_path, metrics_path, weights_dir, write_atomic
+from rl_loop.trainer import TrainerSpec
 from tests.conftest import ROOT, run_torchrun, ulp_tol
 from titan_ext.checkpoint import load_hf_checkpoint
 from titan_ext.replay import moe_routers

@@ -10,7 +10,8 @@ to nearest even, saturated at +-448.
 
 One quantizer, two implementations that agree bit for bit: a Triton kernel on CUDA (one program
 per block; divisions rounded as IEEE does, not Triton's fast approximate ``/``) and torch
-elsewhere. Both take [m, n] or a stack [e, m, n] (a layer's grouped experts in one call).
+elsewhere. Both take [m, n] or a stack [e, m, n] (a layer's grouped experts in one call), and
+both read the format's numbers from ``block_fp8_format``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ from typing import Any
 
 import torch
 
+from .block_fp8_format import AMAX_FLOOR, DEFAULT_BLOCK, FP8, FP8_MAX, SCALE_SUFFIX, scale_shape
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
-SCALE_SUFFIX = "_scale_inv"
-DEFAULT_BLOCK = (128, 128)
+__all__ = ["AMAX_FLOOR", "DEFAULT_BLOCK", "FP8", "FP8_MAX", "SCALE_SUFFIX", "BlockFp8Config", "BlockFp8Error",
+           "check_scale", "dequantize", "expand_scale", "quantize", "quantize_torch", "scale_shape"]
 
 # Published checkpoints keep these 2-D weights in bf16: the router (vLLM builds it unquantized)
 # and GLM-5's indexer head weights (fused with wk in bf16 by vLLM's loader).
@@ -76,11 +75,6 @@ class BlockFp8Config:
         return (len(shape) == 2 and hf_name.startswith("model.layers.") and hf_name.endswith(".weight")
                 and not _NEVER_QUANTIZED.search(hf_name)
                 and not any(m in hf_name for m in self.modules_to_not_convert))
-
-
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[int, ...]:
-    *lead, m, n = shape
-    return (*lead, -(-m // block[0]), -(-n // block[1]))
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, name: str = "weight"

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_fp8 import AMAX_FLOOR, FP8, FP8_MAX, scale_shape
+from .block_fp8_format import AMAX_FLOOR, FP8, FP8_MAX, scale_shape
 
 
 @triton.jit
