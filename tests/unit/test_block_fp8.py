@@ -231,4 +231,4 @@ def test_fp8_weights_without_quantization_config_are_refused(fp8_export, tmp_pat
 
 
 def test_triton_block_quant_kernel_matches_torch_under_the_interpreter():
-    run_interpreted_cases(HERE / "block_fp8_interpreted_cases.py", 2)
+    run_interpreted_cases(HERE / "block_fp8_kernel_cases.py", 2)

@@ -2,7 +2,7 @@
 
 On CPU `torch._scaled_mm` runs the same per-expert calls as on the GPU and the quantisation
 runs as torch; the Triton kernels are checked against that torch formulation under Triton's
-interpreter (`fp8_quant_interpreted_cases.py`, in a fresh process). A wrong transpose, scale
+interpreter (`fp8_quant_kernel_cases.py`, in a fresh process). A wrong transpose, scale
 or group offset puts the output or a gradient ~100% off (8 e4m3 resolutions, eps = 2^-3); fp8
 rounding alone leaves a relative error of about half of one (0.44-0.68 eps measured), and more
 than an eighth of one (2^-6): above bf16 rounding alone (at most 2^-8 of each element), so the
@@ -141,7 +141,7 @@ def test_to_fp8_moe_block_close_to_bf16(model):
 
 
 def test_triton_quant_kernels_match_torch_under_the_interpreter():
-    run_interpreted_cases(HERE / "fp8_quant_interpreted_cases.py", 11)
+    run_interpreted_cases(HERE / "fp8_quant_kernel_cases.py", 11)
 
 
 def test_selective_checkpointing_sees_no_weight_quantisation():

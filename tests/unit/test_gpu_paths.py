@@ -5,9 +5,6 @@ outputs and every gradient compared.
 """
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from torchtitan.config import derive
 
 import titan_ext  # noqa: F401  (patches)
+from tests.conftest import run_interpreted_cases
 from titan_ext.models import get_arch
 from titan_ext.models.builder import build_model_config
 from titan_ext.models.experts import LeanTokenDispatcher
@@ -37,49 +35,40 @@ def _moe_layer(model, seed):
     return layer_cfg.moe, moe
 
 
-@pytest.mark.parametrize("model,pad", [("kimi_k2", 1), ("glm5", 1), ("kimi_k2", 16)])
-def test_lean_dispatch_matches_torchtitan_dispatch(model, pad):
+def lean_matches_stock(model: str, pad: int, device: torch.device) -> None:
+    """The lean dispatcher's block on `device` computes TorchTitan's dispatch (on the CPU): the output
+    and every gradient. Also run on the GPU's kernels by `lean_dispatch_kernel_cases.py`."""
     moe_cfg, stock = _moe_layer(model, seed=1)
     lean_cfg = copy.deepcopy(moe_cfg)
     d = lean_cfg.routed_experts.token_dispatcher
     lean_cfg.routed_experts.token_dispatcher = derive(d, LeanTokenDispatcher.Config, pad_multiple=pad)
     lean = lean_cfg.build()
     lean.load_state_dict(stock.state_dict())
+    lean.to(device)
     x = torch.randn(2, 37, stock.router.gate.in_features)
     outs, grads = [], []
     for m in (stock, lean):
-        xi = x.clone().requires_grad_(True)
+        on = next(m.parameters()).device
+        xi = x.to(on, copy=True).requires_grad_(True)
         y = m(xi)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        outs.append(y)
-        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+        (y * torch.linspace(-1, 1, y.numel()).to(on).view_as(y)).sum().backward()
+        outs.append(y.detach().cpu())
+        grads.append([g.cpu() for g in [xi.grad] + [p.grad for p in m.parameters()]])
     assert _rel(outs[1], outs[0]) < 1e-5
     assert len(grads[1]) == len(grads[0])
     for g_lean, g_stock in zip(grads[1], grads[0]):
         assert _rel(g_lean, g_stock) < 1e-5
 
 
-_TRITON_LEAN = """
-import sys
-sys.path.insert(0, {here!r})
-import test_gpu_paths as t
-from titan_ext.models import experts
-experts._use_triton = lambda x: True  # the CUDA kernels, run by Triton's CPU interpreter
-for model, pad in (("kimi_k2", 1), ("glm5", 1), ("kimi_k2", 16)):
-    t.test_lean_dispatch_matches_torchtitan_dispatch(model, pad)
-"""
+@pytest.mark.parametrize("model,pad", [("kimi_k2", 1), ("glm5", 1), ("kimi_k2", 16)])
+def test_lean_dispatch_matches_torchtitan_dispatch(model, pad):
+    lean_matches_stock(model, pad, torch.device("cpu"))
 
 
 def test_lean_dispatch_triton_kernels_match_torchtitan_dispatch():
-    """The Triton gather-sum and combine-backward kernels (the CUDA path) pass the same parity test.
-
-    TRITON_INTERPRET must be set before Triton is imported, hence the subprocess.
-    """
-    here = str(Path(__file__).parent)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _TRITON_LEAN.format(here=here)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    """The Triton gather-sum and combine-backward kernels (the CUDA path) pass the same parity test,
+    under Triton's interpreter (`lean_dispatch_kernel_cases.py`, in a fresh process)."""
+    run_interpreted_cases(Path(__file__).parent / "lean_dispatch_kernel_cases.py", 3)
 
 
 def _dsa(impl, seed=0):

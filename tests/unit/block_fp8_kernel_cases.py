@@ -1,29 +1,30 @@
 """Cases: the Triton block-fp8 quantizer (`block_fp8_triton.py`) against the torch one.
 
-Not collected on its own: `test_block_fp8.py` runs this file in a fresh process with
-TRITON_INTERPRET=1. Scales must be equal bit for bit (both divide with IEEE rounding); fp8
-values equal up to the interpreter's fp32 -> e4m3 cast defects that `_same_fp8` describes (the
-GPU's cast has none: benchmarks/fp8_export.py compares the two bit for bit on the H200).
+Not collected on its own: `test_block_fp8.py` runs this file under Triton's interpreter on CPU
+(fresh process), `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py`); the torch quantizer
+runs on the CPU. Scales must be equal bit for bit (both divide with IEEE rounding: `div_rn` in the
+kernel). fp8 values too on the GPU (round-to-nearest-even, saturated, as torch); under the
+interpreter up to its fp32 -> e4m3 cast defects (`kernel_device.same_fp8`).
 """
-
-import os
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run through tests/unit/test_block_fp8.py (needs TRITON_INTERPRET=1 from the start)")
+from tests.unit.kernel_device import on_device, same_fp8
+from titan_ext.models.block_fp8 import quantize_torch
+from titan_ext.models.block_fp8_triton import quantize_cuda
 
-from tests.unit.fp8_quant_interpreted_cases import _same_fp8  # noqa: E402
-from titan_ext.models.block_fp8 import quantize_torch  # noqa: E402
-from titan_ext.models.block_fp8_triton import quantize_cuda  # noqa: E402
+
+def _kernel(w, block=(128, 128)):
+    q, s = quantize_cuda(*on_device(w), block)
+    return q.cpu(), s.cpu()
 
 
 def _check(w, block=(128, 128)):
-    q, s = quantize_cuda(w, block)
+    q, s = _kernel(w, block)
     want_q, want_s = quantize_torch(w, block)
     assert q.shape == want_q.shape and s.shape == want_s.shape
     assert torch.equal(s, want_s)
-    _same_fp8(q, want_q)
+    same_fp8(q, want_q)
     return q, s
 
 
@@ -40,9 +41,9 @@ def test_cut_edge_blocks_zero_block_and_fp32_input():
 def test_stacked_experts_and_non_finite_weights():
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(3, 130, 256, generator=g) * 0.05).to(torch.bfloat16)
-    q, s = _check(w)
+    _, s = _check(w)
     assert s.shape == (3, 2, 2)
     w[2, 129, 255] = float("nan")
     w[0, 0, 0] = float("inf")
-    _, s = quantize_cuda(w, (128, 128))
+    _, s = _kernel(w)
     assert torch.isinf(s[2, 1, 1]) and torch.isinf(s[0, 0, 0]) and torch.isfinite(s[1]).all()

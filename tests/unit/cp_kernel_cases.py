@@ -1,27 +1,25 @@
 """Cases: the context-parallel Triton paths against the torch paths they replace on CUDA.
 
-Not collected on its own: `test_cp_triton.py` runs this file in a fresh process with
-TRITON_INTERPRET=1 (as `sparse_mla_interpreted_cases.py`), fp32 on CPU tensors. A rank's queries
-sit at head-tail positions of a longer sequence whose keys are all present, as under CP=2.
+Not collected on its own: `test_cp_triton.py` runs this file under Triton's interpreter on CPU
+(fresh process), `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py`), fp32 against the torch
+paths on the CPU, with the bounds `sparse_mla_kernel_cases.py` explains. A rank's queries sit at
+head-tail positions of a longer sequence whose keys are all present, as under CP=2.
 """
-
-import os
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run through tests/unit/test_cp_triton.py (needs TRITON_INTERPRET=1 from the start)")
-
-import titan_ext.models.glm5.indexer_triton as it  # noqa: E402
-import titan_ext.models.glm5.sparse_mla_triton as smt  # noqa: E402
-from titan_ext.models.context_parallel import segment_positions  # noqa: E402
-from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention  # noqa: E402
+import titan_ext.models.glm5.indexer_triton as it
+import titan_ext.models.glm5.sparse_mla_triton as smt
+from tests.unit.kernel_device import on_device
+from titan_ext.models.context_parallel import segment_positions
+from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention
 
 # rank 1 of CP=2 on 96 tokens: chunks 1 and 2 of 4
 SEGMENTS, SEQ = [0, 24, 24, 24, 48, 24], 96
 
 
 def _rel(a, b):
+    a = a.detach().cpu()
     return ((a - b).norm() / b.norm()).item()
 
 
@@ -31,9 +29,10 @@ def test_index_scores_kernel_matches_torch():
     k = torch.randn(2, 90, 32, generator=gen)
     w = torch.randn(2, 70, 3, generator=gen)
     ref = _index_scores(q, k, w, 100, 60, 0.2)  # queries at 100..169, keys at 60..149: some later keys
-    got = it.index_scores(q, k, w, 100, 60, 0.2)
+    got = it.index_scores(*on_device(q, k, w), 100, 60, 0.2).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.isinf(ref).any() and not torch.isinf(ref).all()
     finite = torch.isfinite(ref)
+    # fp32 sums (32 products, 3 heads) in another order than torch's
     assert (got[finite] - ref[finite]).abs().max().item() <= 1e-5 * ref[finite].abs().max().item()
 
 
@@ -51,9 +50,11 @@ def test_sparse_attention_at_global_positions_matches_torch():
     q_ref, kv_ref = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
     ref = _SparseLatentAttention.apply(q_ref, kv_ref, idx, 0.15, v_dim, 7, SEGMENTS)
     ref.backward(dout)
-    q_t, kv_t = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
-    out = smt.sparse_latent_attention(q_t, kv_t, idx, 0.15, v_dim, pos)
-    out.backward(dout)
-    assert _rel(out.detach(), ref.detach()) < 1e-5
+    q_t, kv_t, idx_t, pos_t, dout_t = on_device(q, kv, idx, pos, dout)
+    q_t.requires_grad_(True)
+    kv_t.requires_grad_(True)
+    out = smt.sparse_latent_attention(q_t, kv_t, idx_t, 0.15, v_dim, pos_t)
+    out.backward(dout_t)
+    assert _rel(out, ref.detach()) < 1e-5
     assert _rel(q_t.grad, q_ref.grad) < 1e-5 and _rel(kv_t.grad, kv_ref.grad) < 1e-5
     assert kv_ref.grad[0, 60:].abs().sum() > 0  # keys of the other rank's chunk got gradients too
