@@ -21,7 +21,7 @@ mismatch. The scales above keep the floor well below the no-replay KL (measured:
 Targets (issue 4): mean k3 >= 3x lower with replay, max k3 >= 10x lower, no token with
 probability ratio outside [1/2, 2] under replay, kl_replay <= 1.5 x kl_floor.
 
-usage: .venv/bin/python benchmarks/r3_mismatch.py [--num-samples 256] [--max-tokens 64] [--only NAME]
+usage: .venv/bin/python -m benchmarks.r3_mismatch [--num-samples 256] [--max-tokens 64] [--only NAME]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = [
     # name, tiny arch, init scale, plain rope
@@ -84,7 +83,7 @@ def write_report(out: Path, results: dict) -> None:
     order = [m[0] for m in MODELS]
     report = {
         "benchmark": "r3_mismatch",
-        "command": "python benchmarks/r3_mismatch.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.r3_mismatch " + " ".join(sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "targets": TARGETS,
         "definitions": {

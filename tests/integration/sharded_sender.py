@@ -11,7 +11,7 @@ the first shared-memory piece after it was hashed; ``shape`` announces one tenso
 at the third piece it reads itself in the verify pass (pieces another lane read come from the
 sender's shared reads), where each prints "midway" (the test kills the process once all have).
 
-usage: python tests/integration/sharded_sender.py RANK WORLD --tp 1,2 [--bucket-bytes N] < updates
+usage (from the repository root): python -m tests.integration.sharded_sender RANK WORLD --tp 1,2 [--bucket-bytes N] < updates
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ import threading
 from functools import cache
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from tests.conftest import corrupt_first_ring_piece  # noqa: E402
-from vllm_ext.transport.format import dtype_name  # noqa: E402
-from vllm_ext.transport.plan import expert_groups, fsdp_owned, replica_needs, reshard  # noqa: E402
-from vllm_ext.transport.shm import RingShape, RingWriter  # noqa: E402
-from vllm_ext.transport.sharded import ShardedSender  # noqa: E402
+from tests.conftest import corrupt_first_ring_piece
+from vllm_ext.transport.format import dtype_name
+from vllm_ext.transport.plan import expert_groups, fsdp_owned, replica_needs, reshard
+from vllm_ext.transport.shm import RingShape, RingWriter
+from vllm_ext.transport.sharded import ShardedSender
 
 _PUBLISH = RingWriter._publish
 _CORRUPT_FIRST = corrupt_first_ring_piece(_PUBLISH)

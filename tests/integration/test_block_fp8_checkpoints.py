@@ -183,7 +183,6 @@ def test_fp8_weight_update_is_what_a_fresh_fp8_server_would_load(published, tmp_
 
 SHARDED_WORKER = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[1])
     import titan_ext  # noqa: F401 (patches)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -191,8 +190,8 @@ SHARDED_WORKER = textwrap.dedent('''
     from titan_ext.checkpoint import checkpoint_quantization, load_hf_checkpoint
     from titan_ext.weights import iter_hf_weights
     dist.init_process_group("gloo")
-    model, _ = load_hf_checkpoint(sys.argv[2], "kimi_k2")
-    quant = checkpoint_quantization(sys.argv[2])
+    model, _ = load_hf_checkpoint(sys.argv[1], "kimi_k2")
+    quant = checkpoint_quantization(sys.argv[1])
     whole = list(iter_hf_weights(model, dtype=torch.bfloat16, quant=quant))
     mesh = init_device_mesh("cpu", (2,))
     for layer in model.layers.values():
@@ -219,6 +218,6 @@ def test_sharded_experts_quantized_per_rank_equal_the_whole_model(published, tmp
 
     script = tmp_path / "sharded_worker.py"
     script.write_text(SHARDED_WORKER)
-    r = run_torchrun(2, str(script), str(ROOT), str(published("kimi_k2")), timeout=300)
+    r = run_torchrun(2, str(script), str(published("kimi_k2")), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "OK" in r.stdout

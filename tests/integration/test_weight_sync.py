@@ -102,14 +102,13 @@ def metas_of(items):
 
 SENDER_KILLED = r'''
 import json, sys, time, torch
-sys.path.insert(0, sys.argv[1])
 from safetensors.torch import load_file
 from vllm_ext.transport.format import TensorMeta
 from vllm_ext.transport.shm import RingShape
 from vllm_ext.transport.stream import StreamSender
-items = sorted(load_file(sys.argv[2]).items())
-s = StreamSender(2, port=int(sys.argv[3]), timeout_s=30, bucket_bytes=1 << 16, streams=1,
-                 shm=RingShape(2, 1 << 16) if sys.argv[4] == "shm" else None)
+items = sorted(load_file(sys.argv[1]).items())
+s = StreamSender(2, port=int(sys.argv[2]), timeout_s=30, bucket_bytes=1 << 16, streams=1,
+                 shm=RingShape(2, 1 << 16) if sys.argv[3] == "shm" else None)
 print(json.dumps(s.update_info(1, 7)), flush=True)
 def gen():
     for i, (k, v) in enumerate(items):
@@ -128,7 +127,7 @@ def kill_sender_mid_transfer(base: str, ckpt: Path, tmp: Path, lane: str) -> str
     port = free_port()
     script = tmp / "sender_killed.py"
     script.write_text(SENDER_KILLED)
-    proc = subprocess.Popen([PY, str(script), str(ROOT), str(ckpt / "model.safetensors"), str(port), lane],
+    proc = subprocess.Popen([PY, str(script), str(ckpt / "model.safetensors"), str(port), lane],
                             stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(proc.stdout.readline())
@@ -296,7 +295,7 @@ def test_update_equals_fresh_server(ckpts, servers, monkeypatch):
     shutil.rmtree(tmp_path / "v2-fs", ignore_errors=True)
 
 
-SENDER = ROOT / "tests" / "integration" / "sharded_sender.py"
+SENDER = "tests.integration.sharded_sender"  # run from the repository root
 TPS = (1, 2)  # the replicas' TP sizes, in the order of their bases
 BUCKET = 1 << 18
 
@@ -310,9 +309,9 @@ class ShardedSenders:
         self.procs = [self._start(r) for r in range(2)]
 
     def _start(self, rank: int) -> subprocess.Popen:
-        self.started.append(subprocess.Popen([PY, str(SENDER), str(rank), "2", "--tp", ",".join(map(str, TPS)),
+        self.started.append(subprocess.Popen([PY, "-m", SENDER, str(rank), "2", "--tp", ",".join(map(str, TPS)),
                                               "--bucket-bytes", str(BUCKET)],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
         return self.started[-1]
 
     def update(self, bases: list[str], ckpt: Path, version: int, *, lane: str, fault: str = "",

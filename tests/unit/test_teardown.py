@@ -13,11 +13,10 @@ processes would reuse the first one's store keys (it hung once in a clean-clone 
 import re
 import textwrap
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import run_torchrun
 
 WORKER = textwrap.dedent('''
     import os, sys, torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[1])
     from torch.distributed.device_mesh import init_device_mesh
     from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
 
@@ -30,7 +29,7 @@ WORKER = textwrap.dedent('''
         parts = [torch.empty(4) for _ in range(2)]
         dist.all_gather(parts, torch.ones(4), group=mesh.get_group("b"))
 
-    teardown = {"plain": dist.destroy_process_group, "together": destroy_process_group_together}[sys.argv[2]]
+    teardown = {"plain": dist.destroy_process_group, "together": destroy_process_group_together}[sys.argv[1]]
     counts = [threads()]
     dist.init_process_group("gloo")
     work()
@@ -38,7 +37,7 @@ WORKER = textwrap.dedent('''
     teardown()
     counts.append(threads())
     print("threads " + " ".join(map(str, counts)), flush=True)  # one write: both ranks share the pipe
-    if sys.argv[2] == "plain":
+    if sys.argv[1] == "plain":
         exit_without_finalizing()
 ''')
 
@@ -48,7 +47,7 @@ def test_no_gloo_thread_outlives_the_teardown(tmp_path):
     script.write_text(WORKER)
     counts = {}
     for teardown in ("plain", "together"):
-        r = run_torchrun(2, str(script), str(ROOT), teardown, timeout=300)
+        r = run_torchrun(2, str(script), teardown, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]  # no abort at exit
         counts[teardown] = [tuple(map(int, m.split())) for m in re.findall(r"threads ([\d ]+)", r.stdout)]
         assert len(counts[teardown]) == 2, r.stdout[-2000:]
