@@ -36,7 +36,7 @@ def _pick_device() -> torch.device:
     if precision != "ieee":
         raise RuntimeError(f"TRITON_F32_DEFAULT={precision}: the cases compare fp32 kernels with fp32 torch and need "
                            f"IEEE fp32 tl.dot; {HOW_TO_RUN}")
-    return torch.device("cuda")
+    return torch.device("cuda", torch.cuda.current_device())  # with its index: equal to a tensor's .device
 
 
 DEVICE = _pick_device()
