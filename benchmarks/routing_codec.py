@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from vllm_ext.routing.record import (
     RoutingRecord,
     baseline_bytes_per_token,
@@ -41,6 +39,8 @@ from vllm_ext.routing.record import (
     floor_bits_per_row,
     id_dtype,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [(8, 2), (64, 6), (256, 8), (384, 8), (512, 22)]
 

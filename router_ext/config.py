@@ -42,8 +42,8 @@ from typing import Iterable, Sequence
 
 from router_ext.scorer import ScorerParams
 
-__all__ = ["Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file", "epp_command", "main", "parse_endpoints",
-           "to_yaml", "write"]
+__all__ = ["Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file",
+           "epp_command", "main", "parse_endpoints", "to_yaml", "write"]
 
 POLICY_VERSION_METRIC = "moerl:policy_version"
 UPDATING_METRIC = "moerl:weight_update_in_progress"

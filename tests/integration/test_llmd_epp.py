@@ -32,7 +32,6 @@ import random
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest

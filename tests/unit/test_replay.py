@@ -63,7 +63,7 @@ def test_replaying_the_routers_own_choice_is_bit_identical():
 def test_forced_ids_are_used_and_gradients_reach_their_gate_rows():
     model = _model()
     routers = moe_routers(model)
-    n_layers, k, e = len(routers), routers[0].top_k, routers[0].num_experts
+    n_layers, k = len(routers), routers[0].top_k
     # Every token of every layer goes to experts 0..k-1, which the router rarely picks together.
     forced = torch.arange(k).expand(*TOKENS.shape, n_layers, k).contiguous()
     own = _own_ids(model, TOKENS)

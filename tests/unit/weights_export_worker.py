@@ -11,8 +11,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import titan_ext  # noqa: F401 (patches)
+from tests.conftest import wire_tensors
 from titan_ext.checkpoint import load_hf_checkpoint
-from titan_ext.weights import hf_metadata, iter_hf_weights
+from titan_ext.weights import OwnedReader, hf_metadata, iter_hf_weights, owned_hf_slices, wire_slices
+from vllm_ext.transport.plan import check_cover, expert_groups, reshard
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -42,8 +44,6 @@ if rank == 0:
 # sharded export: this rank's boxes read from its own shard equal the checkpoint's, and
 # the plan over both ranks' boxes tiles every tensor exactly (buffers, which FSDP2 leaves
 # whole on every rank, are sent by one of them; nothing gathered)
-from titan_ext.weights import OwnedReader, owned_hf_slices
-from vllm_ext.transport.plan import check_cover, reshard
 ref = load_file(sys.argv[1] + "/model.safetensors")
 state = model.state_dict()
 mine = owned_hf_slices(model)
@@ -52,9 +52,6 @@ for s in mine:
     want = ref[s.name][tuple(slice(a, b) for a, b in s.box)]
     assert torch.equal(read(s, s.box), want), s
 # the same in the sharded transport's wire layout (each rank's experts of a stack read in one piece)
-from tests.conftest import wire_tensors
-from titan_ext.weights import wire_slices
-from vllm_ext.transport.plan import expert_groups
 groups = expert_groups({k: tuple(v.shape) for k, v in ref.items()})
 wire = wire_tensors(ref)
 assert len(wire) < len(ref)

@@ -33,7 +33,8 @@ fwd+bwd: 322 ms at 32k (dense causal MLA 345 ms) and 1932 ms at 128k (dense 4928
 
 Inputs: bf16 (or fp32) `q [B, L, H, C]`, `kv [B, S, C]`, int `idx [B, L, K]` with entries
 in `[0, S)`; L == S, or under context parallel a rank's L queries at global `positions` against
-the whole sequence's gathered keys (the position of a query, not its row, masks later keys) and no duplicates within a row (the indexer's top-k); fp32 accumulation. A query
+the whole sequence's gathered keys (the position of a query, not its row, masks later keys) and
+no duplicates within a row (the indexer's top-k); fp32 accumulation. A query
 whose selected indices are all in the future gets output 0 and no gradient (the torch path
 gives NaN there; the indexer never produces such a row). `v_dim` and `C - v_dim` must be
 powers of two (512 + 64 for GLM-5). Runs under `TRITON_INTERPRET=1` on CPU tensors, which is
