@@ -33,16 +33,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models import get_arch
-from titan_ext.models.builder import build_model_config
-from titan_ext.models.context_parallel import (
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.builder import build_model_config  # noqa: E402
+from titan_ext.models.context_parallel import (  # noqa: E402
     SequenceShards, chunks, flat_segments, latent_gather_bytes, segment_positions,
 )
-from titan_ext.models.matmul import bmm_fp32
-from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
+from titan_ext.models.matmul import bmm_fp32  # noqa: E402
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing  # noqa: E402
 
-from .gpu_bench import Clock, ResultsFile, run_info, torchrun_mesh, zero_grads
+from .gpu_bench import Clock, ResultsFile, run_info, torchrun_mesh, zero_grads  # noqa: E402
 
 RESULTS = "benchmarks/results/cp_h200.json"
 MODELS = ("glm5", "kimi_k2")

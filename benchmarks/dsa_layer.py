@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
-import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models import get_arch
-from titan_ext.models.builder import build_model_config
+import titan_ext
 
-from .gpu_bench import RESULTS, Clock, ResultsFile, cuda_device, run_info, timed, zero_grads
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.builder import build_model_config  # noqa: E402
+
+from .gpu_bench import RESULTS, Clock, ResultsFile, cuda_device, run_info, timed, zero_grads  # noqa: E402
 
 
 def _init_bf16(m: torch.nn.Module) -> torch.nn.Module:

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import torch
 
-import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models import get_arch
-from titan_ext.models.fp8_experts import _rows_mm, _wgrad_mm
+import titan_ext
 
-from .gpu_bench import (
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.fp8_experts import _rows_mm, _wgrad_mm  # noqa: E402
+
+from .gpu_bench import (  # noqa: E402
     LOCAL_EXPERTS, Clock, ResultsFile, cuda_device, moe_arg_parser, run_info, timed, timed_interleaved)
 
 

@@ -82,7 +82,7 @@ def run_info(module: str, launcher: str = "python") -> dict:
 
 def cuda_device() -> torch.device:
     """The GPU, with TF32 allowed for fp32 matmuls: the setting every committed run was made with."""
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")  # what torch.backends.cuda.matmul.allow_tf32 = True sets
     return torch.device("cuda")
 
 

@@ -35,14 +35,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models import get_arch
-from titan_ext.models.builder import build_model_config, configure_moe
-from titan_ext.models.fp8_experts import drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8
-from titan_ext.replay import replay_routing
-from torchtitan.models.common.moe import GroupedExperts
+import titan_ext
 
-from .gpu_bench import (
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.builder import build_model_config, configure_moe  # noqa: E402
+from titan_ext.models.fp8_experts import drop_cached_weights, fp8_swiglu, quantise_weights, to_fp8  # noqa: E402
+from titan_ext.replay import replay_routing  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+
+from .gpu_bench import (  # noqa: E402
     LOCAL_EXPERTS, Clock, ResultsFile, cuda_device, dense_bf16_tflops, moe_arg_parser, run_info, timed, timed_interleaved,
     zero_grads)
 
@@ -305,6 +308,8 @@ def fp8_numerics(bf16, fp8_model, x_full) -> dict:
 
 
 
+# One code object (RoutedExperts.forward) is compiled per model x shape x dtype: 8 here.
+@torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512)
 def main() -> None:
     ap = moe_arg_parser(__doc__, iters=5)
     ap.add_argument("--budget-s", type=float, default=480, help="no new compiled case after this many seconds")
@@ -312,9 +317,6 @@ def main() -> None:
     args = ap.parse_args()
     clock = Clock()
     dev = cuda_device()
-    # One code object (RoutedExperts.forward) is compiled per model x shape x dtype: 8 here.
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 512
     res = {
         **run_info(__spec__.name),
         "setup": {

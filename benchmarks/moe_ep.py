@@ -57,14 +57,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import titan_ext  # noqa: F401  (applies patches/ before torchtitan is imported)
-from titan_ext.models.builder import DISPATCHERS, check_moe_options
-from titan_ext.models.fp8_experts import drop_cached_weights, to_fp8
-from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
-from torchtitan.distributed.utils import set_spmd_backend
+import titan_ext
 
-from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info, torchrun_mesh, zero_grads
-from .moe_block import block_flops, block_step, build_moe, routing
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models.builder import DISPATCHERS, check_moe_options  # noqa: E402
+from titan_ext.models.fp8_experts import drop_cached_weights, to_fp8  # noqa: E402
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing  # noqa: E402
+from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
+
+from .gpu_bench import LOCAL_EXPERTS, ResultsFile, moe_arg_parser, run_info, torchrun_mesh, zero_grads  # noqa: E402
+from .moe_block import block_flops, block_step, build_moe, routing  # noqa: E402
 
 
 def timed_rounds(fns: Sequence[Callable[[], object]], iters: int, warmup: int, dev) -> list[float]:

@@ -9,7 +9,7 @@ of 1.0, SUM is the same reduction, so on gloo we ask FSDP for SUM.
 
 import torch.distributed as dist
 
-from . import Patch
+from . import Patch, probe_target
 
 _MARK = "_moerl_gloo_sum"
 
@@ -18,6 +18,14 @@ def _needed() -> bool:
     import torchtitan.distributed.fsdp as fsdp
 
     return not getattr(fsdp.disable_fsdp_gradient_division, _MARK, False)
+
+
+def _probe() -> str | None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        return "FSDPModule has no set_force_sum_reduction_for_comms"
+    return probe_target("torchtitan.distributed.fsdp:disable_fsdp_gradient_division", ["model"])()
 
 
 def _apply() -> None:
@@ -57,8 +65,12 @@ def gloo_premul_sum_error() -> str:
 
 PATCH = Patch(
     name="fsdp_gloo_sum_reduction",
+    target="torchtitan.distributed.fsdp:disable_fsdp_gradient_division",
+    versions="torchtitan>=0.3,<0.4",
     upstream="torchtitan 0.3.0 FSDP2 (gradient_divide_factor=1.0) on torch 2.13 gloo",
     symptom="RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo",
+    probe=_probe,
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

@@ -24,14 +24,24 @@ def _needed() -> bool:
     return not hasattr(torch.compiler, "_is_non_strict_tracing")
 
 
+def _probe() -> str | None:
+    if hasattr(torch.compiler, "is_compiling"):
+        return None
+    return "torch.compiler has no is_compiling, the dispatcher's other question"
+
+
 def _apply() -> None:
     torch.compiler._is_non_strict_tracing = _is_non_strict_tracing
 
 
 PATCH = Patch(
     name="torch_compiler_is_non_strict_tracing",
+    target="torch.compiler:_is_non_strict_tracing",
+    versions="torch>=2.11,<2.14",
     upstream="torchtitan 0.3.0 on torch 2.11 (added to torch.compiler after 2.11; present in 2.13)",
     symptom="AttributeError: module 'torch.compiler' has no attribute '_is_non_strict_tracing' (EP > 1 dispatch)",
+    probe=_probe,
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

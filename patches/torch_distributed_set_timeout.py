@@ -8,7 +8,7 @@ the private `distributed_c10d._set_pg_timeout(timeout, group)`.
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import Patch
+from . import Patch, probe_target
 
 
 def _needed() -> bool:
@@ -24,8 +24,12 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="torch_distributed_set_timeout",
+    target="torch.distributed:set_timeout",
+    versions="torch>=2.11,<2.14",
     upstream="torchtitan 0.3.0 on torch 2.13 (API added in torch 2.14)",
     symptom="AttributeError: module 'torch.distributed' has no attribute 'set_timeout'",
+    probe=probe_target("torch.distributed.distributed_c10d:_set_pg_timeout", ["timeout", "group"]),
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

@@ -52,6 +52,10 @@ def _needed() -> bool:
     return not hasattr(fsdp, "DataParallelMeshDims")
 
 
+def _probe() -> str | None:
+    return None if hasattr(fsdp, "fully_shard") else "torch.distributed.fsdp has no fully_shard: not FSDP2's module"
+
+
 def _apply() -> None:
     fsdp.DataParallelMeshDims = DataParallelMeshDims
     if hasattr(fsdp, "__all__") and "DataParallelMeshDims" not in fsdp.__all__:
@@ -60,8 +64,12 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="torch_fsdp_data_parallel_mesh_dims",
+    target="torch.distributed.fsdp:DataParallelMeshDims",
+    versions="torch>=2.11,<2.14",
     upstream="torchtitan 0.3.0 on torch 2.11 (name added to torch.distributed.fsdp in torch 2.13)",
     symptom="ImportError: cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'",
+    probe=_probe,
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

@@ -1,4 +1,5 @@
-"""torch 2.13's meta (fake-tensor) kernel of `aten._grouped_mm` accepts only bf16 operands; its CPU kernel also computes fp32 and fp16.
+"""torch 2.13's meta (fake-tensor) kernel of `aten._grouped_mm` accepts only bf16 operands; its CPU kernel also
+computes fp32 and fp16.
 
 titan_ext's routed experts compute in their input dtype (fp32 on CPU, for parity), so
 compiling an MoE block in fp32 (`--compile.enable`, which
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch._meta_registrations as meta
 
-from . import Patch
+from . import Patch, probe_target
 
 _STOCK = meta._meta_grouped_mm_common
 _WIDENED = (torch.float32, torch.float16)
@@ -41,14 +42,27 @@ def _needed() -> bool:
     return fp32_meta_error() is not None
 
 
+_PARAMS = ["mat_a", "mat_b", "scale_a", "scale_b", "offs", "bias", "scale_result", "out_dtype", "use_fast_accum"]
+
+
+def _probe() -> str | None:
+    if not hasattr(meta, "_create_grouped_mm_output_tensor"):
+        return "torch._meta_registrations has no _create_grouped_mm_output_tensor"
+    return probe_target("torch._meta_registrations:_meta_grouped_mm_common", _PARAMS)()
+
+
 def _apply() -> None:
     meta._meta_grouped_mm_common = _meta_grouped_mm_common
 
 
 PATCH = Patch(
     name="torch_grouped_mm_meta_dtype",
+    target="torch._meta_registrations:_meta_grouped_mm_common",
+    versions="torch>=2.11,<2.14",
     upstream="torch 2.13 (meta kernel of aten._grouped_mm: bf16 only)",
     symptom="torch.compile of an fp32 MoE block: RuntimeError: Expected inputs of BF16 type but got mat_a.dtype=torch.float32",
+    probe=_probe,
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

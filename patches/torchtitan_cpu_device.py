@@ -54,6 +54,16 @@ def _needed() -> bool:
     return utils.device_type != "cpu"
 
 
+def _probe() -> str | None:
+    try:
+        holders = [importlib.import_module(name) for name in _HOLDERS]
+    except ImportError as exc:
+        return f"a module that held the device moved: {exc}"
+    bare = [name for name, mod in zip(_HOLDERS, holders) if not hasattr(mod, "device_type")
+            and not hasattr(mod, "device_module")]
+    return f"no device_type/device_module in {', '.join(bare)}" if bare else None
+
+
 def _apply() -> None:
     cpu = _cpu_device_module()
     for name in _HOLDERS:
@@ -66,8 +76,12 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="torchtitan_cpu_device",
+    target="torchtitan.tools.utils:device_module",
+    versions="torchtitan>=0.3,<0.4",
     upstream="torchtitan 0.3.0 (tools/utils.py get_device_info) on a machine without accelerator",
     symptom="RuntimeError: Found no NVIDIA driver on your system (Trainer.__init__ -> torch.cuda.set_device)",
+    probe=_probe,
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

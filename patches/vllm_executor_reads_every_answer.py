@@ -27,7 +27,6 @@ every vLLM process (`register()`), before the engine builds its executor.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from . import Patch
+from . import Patch, probe_target
 
 _MOD = "vllm.v1.executor.multiproc_executor"
 _MARK = "_moerl_reads_every_answer"
@@ -118,7 +117,6 @@ def _apply() -> None:
     orig = cls.collective_rpc
     if getattr(orig, _MARK, False):
         return
-    assert list(inspect.signature(orig).parameters) == _PARAMS, "vLLM changed MultiprocExecutor.collective_rpc"
     success = m.WorkerProc.ResponseStatus.SUCCESS
 
     @functools.wraps(orig)
@@ -139,9 +137,13 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="vllm_executor_reads_every_answer",
+    target=f"{_MOD}:MultiprocExecutor.collective_rpc",
+    versions="vllm>=0.32,<0.33",
     upstream="vLLM 0.32.0 (v1/executor/multiproc_executor.py MultiprocExecutor.collective_rpc)",
     symptom="TP > 1: after an RPC fails on one worker (a refused weight update), the later workers' answers stay "
             "queued and every following call on that replica reads the previous call's answer",
+    probe=probe_target(f"{_MOD}:MultiprocExecutor.collective_rpc", _PARAMS),
     needed=_needed,
     apply=_apply,
 )
+PATCHES = (PATCH,)

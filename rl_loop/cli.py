@@ -18,7 +18,15 @@ def _print_json(obj: dict) -> None:
     print(json.dumps(obj, indent=2))
 
 
+def _activate_trainer_patches() -> None:
+    """For the commands that build titan_ext models: its patches, before torchtitan is imported."""
+    import titan_ext
+
+    titan_ext.activate()
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    _activate_trainer_patches()
     from titan_ext.info import model_info
 
     info = model_info(args.model, args.flavor).to_dict()
@@ -32,6 +40,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_check_parity(args: argparse.Namespace) -> int:
+    _activate_trainer_patches()
     from titan_ext.parity import check_parity
 
     report = check_parity(args.hf_checkpoint, args.model, seq_len=args.seq_len, batch=args.batch,
@@ -46,6 +55,7 @@ def cmd_check_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
+    _activate_trainer_patches()
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed,
@@ -55,6 +65,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
+    _activate_trainer_patches()
     import asyncio
 
     from rl_loop.config import RLConfig, parse_overrides
@@ -72,6 +83,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
 
 def cmd_mismatch(args: argparse.Namespace) -> int:
+    _activate_trainer_patches()
     from rl_loop.mismatch import MismatchConfig, run_mismatch
 
     r = run_mismatch(MismatchConfig(
@@ -79,7 +91,8 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
         num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
         dtype=args.dtype, port=args.port, batch_size=args.batch_size, name=args.name, log_dir=args.log_dir,
         served_weights=args.served_weights))
-    print(f"{r['name']} (served: {r['served_weights']}): {r['num_completions']} completions, k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
+    print(f"{r['name']} (served: {r['served_weights']}): {r['num_completions']} completions, "
+          f"k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
           f"with replay (floor {r['kl_floor']:.3e}), max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}, "
           f"extreme {r['extreme_frac_no_replay']:.2e} -> {r['extreme_frac_replay']:.2e}; written to {args.json_out}")
     return 0

@@ -1,17 +1,46 @@
 """titan_ext: the TorchTitan extension of moerl (`torchtitan train --extension titan_ext`).
 
-Registers the Kimi-K2 and GLM-5 model specs through the hooks in `hookspecs`, and
-applies the runtime patches this TorchTitan/torch combination needs (`patches/`)
-on import, in every process the launcher or torchrun starts.
+Registers the Kimi-K2 and GLM-5 model specs through the hooks in `hookspecs`. Importing
+it changes nothing upstream: `activate()` applies the runtime patches this TorchTitan/torch
+combination needs (`patches/`), and every entry into the trainer calls it before TorchTitan
+is imported (torchtitan 0.3.0 cannot even be imported on torch 2.11 without one of them):
+the `torchtitan` launcher through the `torchtitan_activate` hook, `moerl rl`'s trainer,
+the benchmarks and the test workers directly.
 """
 
 from __future__ import annotations
 
 import patches
+from patches import (
+    fsdp_gloo_sum_reduction,
+    torch_compiler_is_non_strict_tracing,
+    torch_distributed_set_timeout,
+    torch_fsdp_data_parallel_mesh_dims,
+    torch_grouped_mm_meta_dtype,
+    torchtitan_cpu_device,
+)
 
 from .hookspecs import ModelEntry, hookimpl
 
-patches.apply_all()
+TRAINER_PATCHES = (
+    torch_fsdp_data_parallel_mesh_dims.PATCH,  # first: torchtitan's import needs it on torch 2.11
+    torch_compiler_is_non_strict_tracing.PATCH,
+    torch_distributed_set_timeout.PATCH,
+    torchtitan_cpu_device.PATCH,
+    fsdp_gloo_sum_reduction.PATCH,
+    torch_grouped_mm_meta_dtype.PATCH,
+)
+
+
+def activate() -> list[str]:
+    """Apply the trainer's runtime patches that are needed here; returns the names applied now.
+    Idempotent; raises `patches.PatchError` when upstream changed under one."""
+    return patches.activate(TRAINER_PATCHES)
+
+
+@hookimpl
+def torchtitan_activate() -> None:
+    activate()
 
 
 @hookimpl

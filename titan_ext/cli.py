@@ -16,7 +16,10 @@ from importlib.metadata import entry_points
 
 import pluggy
 
+import patches
+
 from . import hookspecs
+from .teardown import DESTROY_TOGETHER, exit_without_finalizing, together_on_destroy
 
 
 class ExtensionError(SystemExit):
@@ -42,6 +45,7 @@ def load_extensions(names: list[str]) -> pluggy.PluginManager:
                 f"{hookspecs.ENTRY_POINT_GROUP!r}: {listed}"
             )
         pm.register(found[name].load(), name=name)
+    pm.hook.torchtitan_activate()  # before anything imports TorchTitan
     return pm
 
 
@@ -169,21 +173,40 @@ def _default_single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+_prebuilt: list = []  # the Trainer.Config main() built, if it built one
+
+
+def prebuilt_config_manager(stock: type) -> type:
+    """TorchTitan's ConfigManager, answering with the config `main()` built (a model chosen with
+    --model) as the default that TorchTitan's flags then override; without one, stock parsing."""
+
+    class PrebuiltConfigManager(stock):
+        def _load_config(self, args):
+            if _prebuilt:
+                return _prebuilt[0], args
+            return super()._load_config(args)
+
+    PrebuiltConfigManager.__doc__ = stock.__doc__
+    return PrebuiltConfigManager
+
+
+PREBUILT_CONFIG = patches.wrapper_patch(
+    "torchtitan_train_prebuilt_config", "torchtitan.train:ConfigManager", prebuilt_config_manager,
+    versions="torchtitan>=0.3,<0.4",
+    upstream="torchtitan 0.3.0 train.main (builds its config only from --module/--config)",
+    symptom="torchtitan train --model M: TorchTitan ignores the model's config and asks for --module",
+    probe=patches.probe_target("torchtitan.config:ConfigManager._load_config", ["self", "args"]),
+)
+PATCHES = (PREBUILT_CONFIG,)
+
+
 def _run_torchtitan(args: list[str], config) -> None:
     """Run stock `torchtitan.train.main`, with our prebuilt config as the parse default."""
+    patches.activate([PREBUILT_CONFIG, DESTROY_TOGETHER])
     import torchtitan.train as tt_train
-    from torchtitan.config import ConfigManager
 
     _default_single_process_env()
-
-    if config is not None:
-        class _PrebuiltConfigManager(ConfigManager):
-            def _load_config(self, args):
-                return config, args
-
-        tt_train.ConfigManager = _PrebuiltConfigManager
-    from .teardown import exit_without_finalizing, together_on_destroy
-
+    _prebuilt[:] = [] if config is None else [config]
     sys.argv = ["torchtitan", *args]
     with together_on_destroy():  # rank 0 leaves Trainer.train 2 s after the others
         tt_train.main()

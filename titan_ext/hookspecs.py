@@ -32,6 +32,11 @@ class ModelEntry:
 
 
 @hookspec
+def torchtitan_activate() -> None:
+    """Apply the runtime patches the extension needs; called once it is loaded, before TorchTitan is imported."""
+
+
+@hookspec
 def torchtitan_register_models() -> dict[str, ModelEntry]:
     """Model name -> ModelEntry. Names must be unique across loaded extensions."""
 

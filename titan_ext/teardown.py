@@ -24,6 +24,7 @@ no finalization, nothing for a worker thread to die in.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -33,7 +34,9 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-_destroy = dist.destroy_process_group  # torch's own, also while `together_on_destroy` replaces it
+import patches
+
+_destroy = dist.destroy_process_group  # torch's own
 
 
 def destroy_process_group_together() -> None:
@@ -57,20 +60,40 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+_together: list[bool] = []  # non-empty inside `together_on_destroy`
+
+
+def destroy_together_inside_block(stock):
+    """`torch.distributed.destroy_process_group`, which inside `together_on_destroy` (and called
+    without a group) is `destroy_process_group_together()`; torch's own everywhere else."""
+
+    @functools.wraps(stock)
+    def destroy_process_group(group=None):
+        if group is None and _together:
+            destroy_process_group_together()
+        else:
+            stock(group)
+
+    return destroy_process_group
+
+
+DESTROY_TOGETHER = patches.wrapper_patch(
+    "torch_destroy_process_group_together", "torch.distributed:destroy_process_group", destroy_together_inside_block,
+    versions="torch>=2.11,<2.14", params=["group"],
+    upstream="torchtitan 0.3.0 train.main on torch 2.13 gloo (destroys the groups while workers still run)",
+    symptom="a finished gloo job aborts at exit: 'terminate called without an active exception' (SIGABRT)",
+)
+PATCHES = (DESTROY_TOGETHER,)
+
+
 @contextlib.contextmanager
 def together_on_destroy() -> Iterator[None]:
     """Within the block, `torch.distributed.destroy_process_group()` (no arguments) is
     `destroy_process_group_together()`: for code we run but do not own (TorchTitan's
     `train.main`, whose Trainer is garbage by the time it destroys the groups)."""
-
-    def destroy(group=None):
-        if group is None:
-            destroy_process_group_together()
-        else:
-            _destroy(group)
-
-    dist.destroy_process_group = destroy
+    patches.activate([DESTROY_TOGETHER])
+    _together.append(True)
     try:
         yield
     finally:
-        dist.destroy_process_group = _destroy
+        _together.pop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch._functorch.config
+import patches
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -39,19 +39,23 @@ def local_assets(model: str) -> Path:
     return out
 
 
-def _size_process_groups_as_zero() -> None:
-    """Let `activation-checkpoint:memory-budget` partition graphs that hold a ProcessGroup.
-
-    Under expert parallel the dispatcher's collectives take the EP process group, which a
-    compiled block sees as a script object; the budgeted partitioner refuses script objects
-    it cannot size unless told they are empty. These are titan_ext's only script objects
-    and hold no tensors, so zero is their true activation size."""
-    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):  # absent on torch 2.11
-        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+# Lets `activation-checkpoint:memory-budget` partition graphs that hold a ProcessGroup. Under
+# expert parallel the dispatcher's collectives take the EP process group, which a compiled
+# block sees as a script object; the budgeted partitioner refuses script objects it cannot
+# size unless told they are empty. These are titan_ext's only script objects and hold no
+# tensors, so zero is their true activation size. torch 2.11 (the H200 machines) has no such
+# setting: there the patch is skipped with a WARNING.
+SCRIPT_OBJECTS_ZERO_SIZE = patches.setting_patch(
+    "torch_script_objects_zero_size", "torch._functorch.config:unsafe_treat_script_objects_as_zero_size", True,
+    versions="torch>=2.11,<2.14",
+    upstream="torch 2.13 functorch min-cut partitioner under activation_memory_budget",
+    symptom="activation-checkpoint:memory-budget with EP > 1: the partitioner refuses the EP process group",
+)
+PATCHES = (SCRIPT_OBJECTS_ZERO_SIZE,)
 
 
 def trainer_config(model: str, flavor: str) -> Trainer.Config:
-    _size_process_groups_as_zero()
+    patches.activate([SCRIPT_OBJECTS_ZERO_SIZE])
     spec = model_spec(model, flavor)
     assets = local_assets(model) if flavor == "tiny" else Path(f"./assets/hf/{model}")
     return Trainer.Config(

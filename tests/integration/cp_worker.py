@@ -17,11 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import titan_ext  # noqa: F401  (applies patches)
-from ep_logits_worker import fixed_batch, load_trainer  # this file's directory is on sys.path under torchrun
-from titan_ext.replay import replay_routing, shard_replay_ids
-from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
-from titan_ext.train_config import trainer_config
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from ep_logits_worker import fixed_batch, load_trainer  # noqa: E402 - this file's directory is on sys.path under torchrun
+from titan_ext.replay import replay_routing, shard_replay_ids  # noqa: E402
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing  # noqa: E402
+from titan_ext.train_config import trainer_config  # noqa: E402
 
 IGNORE = -100
 
@@ -66,7 +69,8 @@ def run_model(ckpt: str, model: str, cp: int) -> dict:
     # sum over this rank's tokens / all tokens: FSDP's sum over ranks (dp and cp) makes it the batch mean
     loss = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=IGNORE, reduction="sum")
     (loss / (labels != IGNORE).sum()).backward()
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""):
+             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
              for n, p in model_part.named_parameters() if p.grad is not None}
     with torch.no_grad(), replay_routing(model_part, rec):
         replayed = model_part(tok)

@@ -14,10 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import titan_ext  # noqa: F401  (applies patches)
-from titan_ext.models.deepep import DeepEPV1TokenDispatcher
-from titan_ext.models.experts import LeanTokenDispatcher
-from titan_ext.teardown import destroy_process_group_together
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models.deepep import DeepEPV1TokenDispatcher  # noqa: E402
+from titan_ext.models.experts import LeanTokenDispatcher  # noqa: E402
+from titan_ext.teardown import destroy_process_group_together  # noqa: E402
 
 TOKENS, DIM, EXPERTS, TOP_K = 512, 256, 16, 4
 

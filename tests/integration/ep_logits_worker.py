@@ -21,11 +21,14 @@ import tempfile
 import torch
 from torch.distributed.tensor import DTensor
 
-import titan_ext  # noqa: F401  (applies patches)
-from titan_ext.options import apply_options, take_options
-from titan_ext.replay import replay_routing
-from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing
-from titan_ext.train_config import trainer_config
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.options import apply_options, take_options  # noqa: E402
+from titan_ext.replay import replay_routing  # noqa: E402
+from titan_ext.teardown import destroy_process_group_together, exit_without_finalizing  # noqa: E402
+from titan_ext.train_config import trainer_config  # noqa: E402
 
 
 def fixed_batch(arch_vocab: int, num_moe_layers: int, top_k: int, num_experts: int):

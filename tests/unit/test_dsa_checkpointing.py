@@ -14,10 +14,12 @@ from torch import nn
 from torchtitan.config import derive
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-import titan_ext  # noqa: F401  (patches)
+import titan_ext
 from titan_ext.models import get_arch
 from titan_ext.models.builder import build_model_config
 from titan_ext.models.glm5.dsa import DSAAttention
+
+titan_ext.activate()  # the trainer's patches (patches/)
 
 
 def _dsa(impl: str) -> tuple[DSAAttention, int]:

@@ -16,13 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import titan_ext  # noqa: F401  (patches)
-from titan_ext.models import get_arch
-from titan_ext.models.builder import build_model_config
-from titan_ext.models.experts import lean_permutation
-from titan_ext.models.fp8_experts import (
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from titan_ext.models import get_arch  # noqa: E402
+from titan_ext.models.builder import build_model_config  # noqa: E402
+from titan_ext.models.experts import lean_permutation  # noqa: E402
+from titan_ext.models.fp8_experts import (  # noqa: E402
     Fp8FeedForward, Fp8RoutedExperts, Route, cached_weights, drop_cached_weights, fp8_swiglu, to_fp8)
-from tests.conftest import run_interpreted_cases
+from tests.conftest import run_interpreted_cases  # noqa: E402
 
 HERE = Path(__file__).parent
 FP8_EPS = torch.finfo(torch.float8_e4m3fn).eps

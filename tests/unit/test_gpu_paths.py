@@ -11,12 +11,14 @@ import pytest
 import torch
 from torchtitan.config import derive
 
-import titan_ext  # noqa: F401  (patches)
+import titan_ext
 from tests.conftest import run_interpreted_cases
 from titan_ext.models import get_arch
 from titan_ext.models.builder import build_model_config
 from titan_ext.models.experts import LeanTokenDispatcher
 from titan_ext.models.glm5.dsa import DSAAttention
+
+titan_ext.activate()  # the trainer's patches (patches/)
 
 
 def _rel(a, b):

@@ -1,4 +1,8 @@
-"""Every patch must still be needed; each test here fails once upstream fixes the gap."""
+"""Every fix in patches/ must still be needed; each test here fails once upstream fixes the gap.
+
+The contract all patches share (probes, version ranges, loud failures, no upstream write outside
+a registered module) is tests/unit/test_upstream_hooks.py's.
+"""
 
 import importlib
 
@@ -6,22 +10,24 @@ import pytest
 import torch
 
 import patches
+import titan_ext
 from patches.fsdp_gloo_sum_reduction import gloo_premul_sum_error
 from tests.conftest import ulp_tol
 
+FIXES = [m for m in patches.PATCH_MODULES if m.startswith("patches.")]
 
-def test_patch_registry_is_complete_and_documented():
-    names = [p.name for p in patches.all_patches()]
-    assert len(names) == len(set(names)) == len(patches.PATCH_MODULES)
-    for p in patches.all_patches():
-        assert p.upstream and p.symptom
+
+def test_every_fix_here_is_registered_and_documented():
+    assert len(FIXES) == 9
+    for m in FIXES:
+        (p,) = importlib.import_module(m).PATCHES
+        assert p.upstream and p.symptom and m == f"patches.{p.name}"
 
 
 def test_torch_still_lacks_distributed_set_timeout():
     import torch.distributed as dist
 
-    import titan_ext  # noqa: F401 applies the patch
-
+    titan_ext.activate()
     importlib.reload(importlib.import_module("patches.torch_distributed_set_timeout"))
     # The shim is ours, not torch's: torch 2.13 never defined it.
     assert dist.set_timeout.__module__ == "patches.torch_distributed_set_timeout"
@@ -32,7 +38,7 @@ def test_torchtitan_still_defaults_to_cuda_without_accelerator(monkeypatch):
     import torchtitan.tools.utils as tt_utils
 
     assert tt_utils._get_available_device_type() is None  # what makes torchtitan fall back to "cuda"
-    import titan_ext  # noqa: F401
+    titan_ext.activate()
 
     assert tt_utils.device_type == "cpu"
     monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun sets it; get_local_device refuses to guess without it
@@ -43,11 +49,9 @@ def test_gloo_still_rejects_premul_sum():
     assert "PREMUL_SUM" in gloo_premul_sum_error()
 
 
-def test_apply_all_is_idempotent():
-    import titan_ext  # noqa: F401
-
-    patches.apply_all()  # a patch may become needed after titan_ext's call (e.g. once vLLM is imported)
-    assert patches.apply_all() == []
+def test_activation_is_idempotent():
+    titan_ext.activate()
+    assert titan_ext.activate() == []
 
 
 def test_torchtitan_still_imports_data_parallel_mesh_dims_from_torch_fsdp():
@@ -71,7 +75,7 @@ def test_torchtitan_still_imports_data_parallel_mesh_dims_from_torch_fsdp():
         if "from torch.distributed.fsdp import DataParallelMeshDims" in p.read_text()
     ]
     assert "models/deepseek_v3/mtp.py" in importers, importers
-    assert patches.PATCH_MODULES[0] == "patches.torch_fsdp_data_parallel_mesh_dims"  # before torchtitan imports
+    assert titan_ext.TRAINER_PATCHES[0] is patch_mod.PATCH  # activated before anything imports torchtitan
     assert patch_mod.PATCH.needed() == (not hasattr(fsdp, "DataParallelMeshDims"))
     if patch_mod.PATCH.needed() is False:
         assert fsdp.DataParallelMeshDims is not patch_mod.DataParallelMeshDims  # torch's own, untouched
@@ -193,8 +197,9 @@ def test_torch_meta_grouped_mm_still_rejects_fp32(monkeypatch):
     patched one gives the CPU kernel's output shape, strides and dtype."""
     import torch._meta_registrations as meta
 
-    import titan_ext  # noqa: F401
     from patches import torch_grouped_mm_meta_dtype as patch_mod
+
+    titan_ext.activate()
 
     assert patch_mod.fp32_meta_error() is None  # applied
     a, b, offs = torch.randn(8, 8), torch.randn(2, 8, 4), torch.tensor([3, 8], dtype=torch.int32)

@@ -83,7 +83,7 @@ def test_missing_routing_becomes_the_choice_field_and_a_count(counter):
     # streaming n > 1: a sample that finishes before its siblings comes in a result not finished yet
     running = SimpleNamespace(index=1, routed_experts=None, finish_reason=None)
     res = SimpleNamespace(finished=False, prompt_token_ids=[1, 2], outputs=[out, running])
-    assert api._encode_request_output(res, None, None) == {0: {"routed_experts_error": "shm_full: request r: no room"}}
+    assert api.encode_request_output(res, None, None) == {0: {"routed_experts_error": "shm_full: request r: no room"}}
     for name in ("moerl:routing_missing_total", "moerl_routing_missing_total"):
         assert counter(name, SHM_FULL) == 1 and counter(name, CAPTURE_OFF) == 1
         assert all(counter(name, r) == 0 for r in REASONS if r not in (SHM_FULL, CAPTURE_OFF))
@@ -91,7 +91,7 @@ def test_missing_routing_becomes_the_choice_field_and_a_count(counter):
     # rows that do not make a record for this model: encode_failed, not a silent null
     cfg = SimpleNamespace(num_hidden_layers=2, mlp_only_layers=[], decoder_sparse_step=1, num_experts=4)
     bad = SimpleNamespace(index=1, routed_experts=np.full((3, 2, 2), 7, np.uint8), finish_reason="stop")
-    fields = api._encode_request_output(SimpleNamespace(finished=True, prompt_token_ids=[1, 2], outputs=[bad]),
+    fields = api.encode_request_output(SimpleNamespace(finished=True, prompt_token_ids=[1, 2], outputs=[bad]),
                                         None, cfg)
     assert fields[1]["routed_experts_error"].startswith("encode_failed: cannot encode the routing record: expert id")
     assert bad.routed_experts is None and counter("moerl:routing_missing_total", ENCODE_FAILED) == 1
@@ -99,7 +99,7 @@ def test_missing_routing_becomes_the_choice_field_and_a_count(counter):
     # the non-streaming response: the error field only on the choice that lost its routing
     good = SimpleNamespace(index=2, routed_experts=None)
     choices = [SimpleNamespace(), SimpleNamespace(), SimpleNamespace()]
-    api._annotate_errors(choices, [out, bad, good])
+    api.annotate_errors(choices, [out, bad, good])
     assert choices[0].routed_experts_error.startswith("shm_full") and not hasattr(choices[2], "routed_experts_error")
 
 

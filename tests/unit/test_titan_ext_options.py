@@ -3,13 +3,15 @@
 import pytest
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-import titan_ext  # noqa: F401  (patches)
+import titan_ext
 from titan_ext.models import get_arch
 from titan_ext.models.builder import build_model_config, configure_moe
 from titan_ext.models.deepep import DeepEPV1TokenDispatcher
 from titan_ext.models.experts import LeanTokenDispatcher
 from titan_ext.models.fp8_experts import Fp8FeedForward, Fp8RoutedExperts
 from titan_ext.options import TitanExtOptions, options_help, take_options
+
+titan_ext.activate()  # the trainer's patches (patches/)
 
 
 def test_flags_are_taken_out_and_the_rest_is_left_in_order():

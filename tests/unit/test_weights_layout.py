@@ -47,8 +47,8 @@ def test_receiver_adapter_layout():
     assert w["weights.reload"] == {"transport.format", "transport.plan"}  # experts stacked, names from the wire
     assert w["weights.engine"] == tr | {"weights.served", "weights.reload"}
     assert w["weights.swap"] == {"metrics", "transport.client"}  # the route the trainer's client calls
-    assert w["weights.api"] == {"metrics", "weights.swap"}
-    assert w["weights"] == {"weights.api"}  # `from . import api` inside register()
+    assert w["weights.api"] == {"metrics"}  # the AsyncLLM hooks; the serving wrappers are vllm_ext.serving's
+    assert w["weights"] == {"metrics", "weights.api", "weights.swap"}  # register() activates their patches
 
 
 def test_filesystem_transport_imports_without_the_streaming_modules():

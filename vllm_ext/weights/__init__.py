@@ -19,38 +19,41 @@ worker and API server, by file:
 
 ``register()`` (called from ``vllm_ext.register``) registers the backend with
 ``WeightTransferEngineFactory`` lazily (the engine module is imported only when
-a server selects ``--weight-transfer-config '{"backend": "moerl"}'``), applies
-``patches.vllm_cpu_moe_reload_prepack`` once vLLM's MoE layer is loaded, and
-installs the API hooks. Idempotent; imports vLLM only inside the call.
+a server selects ``--weight-transfer-config '{"backend": "moerl"}'``) and activates
+the AsyncLLM and route patches (``api.PATCHES``, ``swap.PATCHES``); the engine
+activates ``patches.vllm_cpu_moe_reload_prepack`` once vLLM's MoE layer is loaded.
+Idempotent; imports vLLM only inside the call.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+
+import patches
 
 BACKEND = "moerl"
 
 __all__ = ["BACKEND", "register"]
 
-logger = logging.getLogger("vllm_ext.weights")
 _registered = False
 
 
-def register() -> None:
+def register() -> bool:
+    """Register the backend and install the API server's hooks, unless MOERL_WEIGHTS=0; returns
+    whether weight sync is on (then responses carry the policy version: ``vllm_ext.serving``)."""
     global _registered
-    if _registered:
-        return
-    _registered = True
     if os.environ.get("MOERL_WEIGHTS", "1") == "0":
-        return
+        return False
+    if _registered:
+        return True
+    _registered = True
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001 (no public lookup)
         WeightTransferEngineFactory.register_engine(BACKEND, "vllm_ext.weights.engine", "MoerlWeightTransferEngine")
-    try:
-        from . import api
+    from ..metrics import state
+    from . import api, swap
 
-        api.install()
-    except Exception as exc:  # an engine-core or worker process without the API stack
-        logger.debug("moerl weights: API hooks not installed here: %s", exc)
+    state.install()
+    patches.activate([*api.PATCHES, *swap.PATCHES])
+    return True

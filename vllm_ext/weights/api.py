@@ -13,23 +13,22 @@
   ``moerl:weight_update_in_progress`` follow them; a failed ``/update_weights``
   counts in ``moerl:weight_update_failures`` and answers with vLLM's JSON error
   carrying the worker's message.
-* ``POST /moerl/swap_weights`` (``swap.py``): a sharded update's pause, apply,
-  finish and resume as one request.
+
+``vllm_ext.serving`` adds the fields (its one wrapper per serving method, beside the
+routing record); the AsyncLLM wrappers are this module's ``PATCHES``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
+import patches
+
 from ..metrics import state, version_number
-from . import swap
 
 logger = logging.getLogger("vllm_ext.weights")
-
-_installed = False
 
 
 def spans_of(output: Any) -> list[dict] | None:
@@ -39,7 +38,7 @@ def spans_of(output: Any) -> list[dict] | None:
     return [{"version": version_number(s.version), "start": s.start, "end": s.end} for s in spans]
 
 
-def _annotate(choice: Any, output: Any) -> None:
+def annotate(choice: Any, output: Any) -> None:
     spans = spans_of(output)
     if spans is None:
         spans = [{"version": state.version, "start": 0, "end": len(getattr(output, "token_ids", []) or [])}]
@@ -47,24 +46,10 @@ def _annotate(choice: Any, output: Any) -> None:
     setattr(choice, "policy_version", spans[-1]["version"] if spans else state.version)
 
 
-def install() -> None:
-    """Wrap AsyncLLM's control calls and the completion/chat response builders (API-server process)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    state.install()
-    _install_engine_hooks()
-    _install_response_hooks()
-    swap.install()
+def _state_hook(before=None, after=None, on_error=None):
+    """A wrapper of an async AsyncLLM control call that keeps `state` current around it."""
 
-
-def _install_engine_hooks() -> None:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    def wrap(name, before=None, after=None, on_error=None):
-        orig = getattr(AsyncLLM, name)
-
+    def wrap(orig):
         @functools.wraps(orig)
         async def f(self, *args, **kwargs):
             if before:
@@ -79,72 +64,46 @@ def _install_engine_hooks() -> None:
                 after(*args, **kwargs)
             return out
 
-        setattr(AsyncLLM, name, f)
+        return f
 
-    def failed(exc: BaseException) -> None:
-        state.fail(f"{type(exc).__name__}: {exc}")
-        logger.error("moerl weights: update failed, previous weights keep serving: %s", exc)
-
-    def finished(weight_version: str | None = None, *a, **k) -> None:
-        kw = {"updating": False}
-        if weight_version is not None:
-            kw["version"] = version_number(weight_version)
-        state.set(**kw)
-
-    def new_version(new_version: str, *a, **k) -> None:
-        state.set(version=version_number(new_version))
-
-    wrap("pause_generation", after=lambda *a, **k: state.set(paused=True))
-    wrap("resume_generation", after=lambda *a, **k: state.set(paused=False))
-    wrap("start_weight_update", before=lambda *a, **k: state.set(updating=True), on_error=failed)
-    wrap("update_weights", on_error=failed)
-    wrap("finish_weight_update", after=finished, on_error=failed)
-    wrap("update_weight_version", after=new_version)
+    return wrap
 
 
-def _install_response_hooks() -> None:
-    try:
-        from vllm.entrypoints.openai.chat_completion import serving as chat_mod
-        from vllm.entrypoints.openai.completion import serving as cmpl_mod
-    except Exception as exc:  # engine-only processes lack the API stack
-        logger.debug("moerl weights: response hooks not installed: %s", exc)
-        return
+def _failed(exc: BaseException) -> None:
+    state.fail(f"{type(exc).__name__}: {exc}")
+    logger.error("moerl weights: update failed, previous weights keep serving: %s", exc)
 
-    Cmpl = cmpl_mod.OpenAIServingCompletion
-    orig_to_resp = Cmpl.request_output_to_completion_response
 
-    @functools.wraps(orig_to_resp)
-    def to_resp(self, final_res_batch, request, *args, **kwargs):
-        resp = orig_to_resp(self, final_res_batch, request, *args, **kwargs)
-        outputs = [o for res in final_res_batch for o in res.outputs]
-        choices = getattr(resp, "choices", None) or []
-        if len(choices) == len(outputs):
-            for ch, o in zip(choices, outputs):
-                _annotate(ch, o)
-        return resp
+def _finished(weight_version: str | None = None, *a, **k) -> None:
+    kw = {"updating": False}
+    if weight_version is not None:
+        kw["version"] = version_number(weight_version)
+    state.set(**kw)
 
-    Cmpl.request_output_to_completion_response = to_resp
 
-    Chat = chat_mod.OpenAIServingChat
-    orig_chat_full = Chat.chat_completion_full_generator
+def _new_version(new_version: str, *a, **k) -> None:
+    state.set(version=version_number(new_version))
 
-    @functools.wraps(orig_chat_full)
-    async def chat_full(self, request, result_generator, *args, **kwargs):
-        last: list[Any] = []
 
-        async def watch() -> AsyncIterator:
-            async for res in result_generator:
-                last[:] = [res]
-                yield res
+def _engine_patch(method: str, params: list[str], hook, symptom: str, required: bool = True) -> patches.Patch:
+    return patches.wrapper_patch(
+        f"vllm_asyncllm_{method}", f"vllm.v1.engine.async_llm:AsyncLLM.{method}", hook, versions="vllm>=0.32,<0.33",
+        params=["self", *params], upstream=f"vLLM 0.32.0 AsyncLLM.{method} (the dev-mode RL routes)", symptom=symptom,
+        required=required)
 
-        resp = await orig_chat_full(self, request, watch(), *args, **kwargs)
-        choices = getattr(resp, "choices", None)
-        if last and choices:
-            by_index = {o.index: o for o in last[0].outputs}
-            for ch in choices:
-                o = by_index.get(getattr(ch, "index", None))
-                if o is not None:
-                    _annotate(ch, o)
-        return resp
 
-    Chat.chat_completion_full_generator = chat_full
+_STALE = "moerl:weight_update_in_progress stays wrong: the router sends requests to a paused or updating replica"
+PATCHES = (
+    _engine_patch("pause_generation", ["mode", "clear_cache"],
+                  _state_hook(after=lambda *a, **k: state.set(paused=True)), _STALE),
+    _engine_patch("resume_generation", [], _state_hook(after=lambda *a, **k: state.set(paused=False)), _STALE),
+    _engine_patch("start_weight_update", [], _state_hook(before=lambda *a, **k: state.set(updating=True),
+                                                         on_error=_failed), _STALE),
+    _engine_patch("update_weights", ["request"], _state_hook(on_error=_failed),
+                  "a failed update is not counted in moerl:weight_update_failures"),
+    _engine_patch("finish_weight_update", ["weight_version"], _state_hook(after=_finished, on_error=_failed),
+                  "moerl:policy_version stays at the old version after an update"),
+    # moerl's own updates name the version in finish_weight_update; this route is for other clients
+    _engine_patch("update_weight_version", ["new_version"], _state_hook(after=_new_version),
+                  "/update_weight_version does not move moerl:policy_version", required=False),
+)

@@ -52,6 +52,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+import patches
+from patches import vllm_cpu_moe_reload_prepack
+
 from ..transport import peak_rss
 from ..transport.format import TensorMeta, WeightUpdateError
 from ..transport.plan import TpRules, expert_groups, vllm_tp_box, wire_shapes
@@ -154,10 +157,7 @@ class MoerlWeightTransferEngine(WeightTransferEngine[MoerlInitInfo, MoerlUpdateI
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        from patches import vllm_cpu_moe_reload_prepack as p
-
-        if p.PATCH.needed():
-            p.PATCH.apply()
+        patches.activate([vllm_cpu_moe_reload_prepack.PATCH])
         self.expected = checkpoint_layout(self.model_config.model)
         if self.expected is None:
             logger.warning("moerl weights: %s is not a local safetensors checkpoint; updates are not layout-checked",

@@ -23,10 +23,12 @@ import functools
 import time
 from http import HTTPStatus
 
+import patches
+
 from ..metrics import state
 from ..transport.client import SWAP_ROUTE as ROUTE
 
-__all__ = ["ROUTE", "install", "swap"]
+__all__ = ["ROUTE", "PATCHES", "swap"]
 
 
 async def swap(engine, update_info: dict, weight_version: str) -> dict[str, float]:
@@ -88,15 +90,19 @@ def _router():
     return router
 
 
-def install() -> None:
-    """Add the route wherever vLLM adds its RL routes (the API server, in dev mode)."""
-    from vllm.entrypoints.rl import factories
+def with_swap_route(register_rl_api_routers):
+    """vLLM's RL routes (the API server, in dev mode), and this one beside them."""
 
-    orig = factories.register_rl_api_routers
-
-    @functools.wraps(orig)
+    @functools.wraps(register_rl_api_routers)
     def register(app) -> None:
-        orig(app)
+        register_rl_api_routers(app)
         app.include_router(_router())
 
-    factories.register_rl_api_routers = register
+    return register
+
+
+PATCHES = (patches.wrapper_patch(
+    "vllm_rl_routes_swap_weights", "vllm.entrypoints.rl.factories:register_rl_api_routers", with_swap_route,
+    versions="vllm>=0.32,<0.33", params=["app"],
+    upstream="vLLM 0.32.0 entrypoints/rl/factories.py register_rl_api_routers",
+    symptom=f"POST {ROUTE} answers 404: sharded weight updates cannot be applied"),)
