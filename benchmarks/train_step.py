@@ -99,7 +99,9 @@ def main() -> None:
     ap.add_argument("--skip-bf16", action="store_true", help="only the fp8 run")
     args = ap.parse_args()
 
-    import titan_ext  # noqa: F401  (patches, before torchtitan is imported)
+    import titan_ext
+
+    titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
     from titan_ext.models import get_arch
 
     arch = get_arch("kimi_k2", args.flavor)

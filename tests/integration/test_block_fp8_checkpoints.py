@@ -183,7 +183,8 @@ def test_fp8_weight_update_is_what_a_fresh_fp8_server_would_load(published, tmp_
 
 SHARDED_WORKER = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
-    import titan_ext  # noqa: F401 (patches)
+    import titan_ext
+    titan_ext.activate()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard

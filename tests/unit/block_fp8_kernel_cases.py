@@ -9,9 +9,13 @@ interpreter up to its fp32 -> e4m3 cast defects (`kernel_device.same_fp8`).
 
 import torch
 
-from tests.unit.kernel_device import on_device, same_fp8
-from titan_ext.models.block_fp8 import quantize_torch
-from titan_ext.models.block_fp8_triton import quantize_cuda
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from tests.unit.kernel_device import on_device, same_fp8  # noqa: E402
+from titan_ext.models.block_fp8 import quantize_torch  # noqa: E402
+from titan_ext.models.block_fp8_triton import quantize_cuda  # noqa: E402
 
 
 def _kernel(w, block=(128, 128)):

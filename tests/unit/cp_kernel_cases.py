@@ -8,11 +8,15 @@ head-tail positions of a longer sequence whose keys are all present, as under CP
 
 import torch
 
-import titan_ext.models.glm5.indexer_triton as it
-import titan_ext.models.glm5.sparse_mla_triton as smt
-from tests.unit.kernel_device import on_device
-from titan_ext.models.context_parallel import segment_positions
-from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+import titan_ext.models.glm5.indexer_triton as it  # noqa: E402
+import titan_ext.models.glm5.sparse_mla_triton as smt  # noqa: E402
+from tests.unit.kernel_device import on_device  # noqa: E402
+from titan_ext.models.context_parallel import segment_positions  # noqa: E402
+from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention  # noqa: E402
 
 # rank 1 of CP=2 on 96 tokens: chunks 1 and 2 of 4
 SEGMENTS, SEQ = [0, 24, 24, 24, 48, 24], 96

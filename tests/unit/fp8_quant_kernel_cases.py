@@ -19,9 +19,13 @@ reason.
 import pytest
 import torch
 
-import titan_ext.models.fp8_quant as fq
-from tests.conftest import ulp
-from tests.unit.kernel_device import DEVICE, INTERPRETED, same_fp8
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+import titan_ext.models.fp8_quant as fq  # noqa: E402
+from tests.conftest import ulp  # noqa: E402
+from tests.unit.kernel_device import DEVICE, INTERPRETED, same_fp8  # noqa: E402
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 SCALE_ULPS = 0 if INTERPRETED else 2

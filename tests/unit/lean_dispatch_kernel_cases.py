@@ -12,9 +12,13 @@ relative bounds stand.
 import pytest
 import torch
 
-from tests.unit.kernel_device import DEVICE, INTERPRETED
-from tests.unit.test_gpu_paths import lean_matches_stock
-from titan_ext.models import experts
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from tests.unit.kernel_device import DEVICE, INTERPRETED  # noqa: E402
+from tests.unit.test_gpu_paths import lean_matches_stock  # noqa: E402
+from titan_ext.models import experts  # noqa: E402
 
 
 @pytest.mark.parametrize("model,pad", [("kimi_k2", 1), ("glm5", 1), ("kimi_k2", 16)])

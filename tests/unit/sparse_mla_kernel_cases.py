@@ -14,9 +14,13 @@ bf16 numerics on the GPU are checked by benchmarks on the H200.
 import pytest
 import torch
 
-import titan_ext.models.glm5.sparse_mla_triton as smt
-from tests.unit.kernel_device import DEVICE, on_device
-from titan_ext.models.glm5.dsa import _SparseLatentAttention, sparse_attention_impl
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+import titan_ext.models.glm5.sparse_mla_triton as smt  # noqa: E402
+from tests.unit.kernel_device import DEVICE, on_device  # noqa: E402
+from titan_ext.models.glm5.dsa import _SparseLatentAttention, sparse_attention_impl  # noqa: E402
 
 
 def _indexer_like(bsz, seqlen, topk, gen):

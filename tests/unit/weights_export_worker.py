@@ -10,11 +10,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import titan_ext  # noqa: F401 (patches)
-from tests.conftest import wire_tensors
-from titan_ext.checkpoint import load_hf_checkpoint
-from titan_ext.weights import OwnedReader, hf_metadata, iter_hf_weights, owned_hf_slices, wire_slices
-from vllm_ext.transport.plan import check_cover, expert_groups, reshard
+import titan_ext
+
+titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+
+from tests.conftest import wire_tensors  # noqa: E402
+from titan_ext.checkpoint import load_hf_checkpoint  # noqa: E402
+from titan_ext.weights import OwnedReader, hf_metadata, iter_hf_weights, owned_hf_slices, wire_slices  # noqa: E402
+from vllm_ext.transport.plan import check_cover, expert_groups, reshard  # noqa: E402
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
