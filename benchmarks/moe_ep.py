@@ -38,7 +38,8 @@ are wall clock, every rank in step (a barrier before each run; the max over rank
 all-to-alls make every rank wait for the slowest; the EP=1 block runs on rank 0 while the
 others wait. Rank 0 writes everything under the key "ep" of `--out` (other keys kept), after
 each case. A case that does not fit in the GPU's memory is written as ``{"skipped": reason}``
-and the run goes on (on one GPU; with several it ends there, see ``main``). ``--flavor tiny`` (the same structure at CPU size) makes a CPU/gloo smoke run fit in
+and the run goes on (on one GPU; with several it ends there, see ``main``). ``--flavor tiny`` (the same
+structure at CPU size) makes a CPU/gloo smoke run fit in
 memory; its figures are not measurements.
 """
 
@@ -160,12 +161,14 @@ def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -
     def noop():
         return None
 
+    # "reference": the EP=1 block on rank 0; "ep": the EP=N block. Labelled by role, not degree,
+    # so a 1-process run (N = 1, the GPU check) keeps the two apart.
     labels, fns = [], []
     for dtype, m in blocks.items():
         for replay in (False, True):
-            for ep, block, r in ((1, ep1.get(dtype), ep1_route), (world, m, route)):
-                labels.append((dtype, ep, replay))
-                if ep == 1 and block is None:  # ranks > 0: wait while rank 0 runs the EP=1 block
+            for role, block, r in (("reference", ep1.get(dtype), ep1_route), ("ep", m, route)):
+                labels.append((dtype, role, replay))
+                if role == "reference" and block is None:  # ranks > 0: wait while rank 0 runs the EP=1 block
                     fns.append(noop)
                 else:
                     fns.append(_releasing(block_step(block, x, gy, r.replay_ids, replay, requantise=dtype == "fp8"),
@@ -175,20 +178,23 @@ def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -
     block_ms, (fwd_ms, fb_ms, raw_ms) = ms[:len(fns)], ms[len(fns):]
 
     ep1_arch = dataclasses.replace(arch, num_experts=local)  # build_moe's arch at ranks=1
-    flops = {1: block_flops(ep1_arch, tokens)["total"], world: block_flops(arch, tokens)["total"]}
-    rows = [{"dtype": dtype, "ep": ep, "replay": replay, "ms": round(t, 3),
-             "tflops_per_gpu": round(flops[ep] / t / 1e9, 1), "flops_per_gpu": flops[ep]}
-            for (dtype, ep, replay), t in zip(labels, block_ms)]
-    tf = {(r["dtype"], r["ep"], r["replay"]): flops[r["ep"]] / ms_ / 1e9 for r, ms_ in zip(rows, block_ms)}
+    degree = {"reference": 1, "ep": world}
+    flops = {"reference": block_flops(ep1_arch, tokens)["total"], "ep": block_flops(arch, tokens)["total"]}
+    rows = [{"dtype": dtype, "block": role, "ep": degree[role], "replay": replay, "ms": round(t, 3),
+             "tflops_per_gpu": round(flops[role] / t / 1e9, 1), "flops_per_gpu": flops[role]}
+            for (dtype, role, replay), t in zip(labels, block_ms)]
+    tf = {(dtype, role, replay): flops[role] / t / 1e9 for (dtype, role, replay), t in zip(labels, block_ms)}
     ratios = {
-        "ep_over_ep1_per_gpu": {dt: round(tf[dt, world, False] / tf[dt, 1, False], 3) for dt in blocks},
-        "fp8_over_bf16": ({f"ep{ep}": round(tf["fp8", ep, False] / tf["bf16", ep, False], 3) for ep in (1, world)}
-                          if "fp8" in blocks else None),
-        "replay_ms_on_over_off": {f"{dt}_ep{ep}": round(tf[dt, ep, False] / tf[dt, ep, True], 4)
-                                  for dt in blocks for ep in (1, world)},
+        "ep_over_ep1_per_gpu": {dt: round(tf[dt, "ep", False] / tf[dt, "reference", False], 3) for dt in blocks},
+        "fp8_over_bf16": ({f"ep{degree[role]}": round(tf["fp8", role, False] / tf["bf16", role, False], 3)
+                           for role in ("reference", "ep")} if "fp8" in blocks else None),
+        "replay_ms_on_over_off": {f"{dt}_ep{degree[role]}": round(tf[dt, role, False] / tf[dt, role, True], 4)
+                                  for dt in blocks for role in ("reference", "ep")},
         "dispatcher_over_all_to_all_single": round(raw_ms / fwd_ms, 3),
         "dispatcher_fwd_bwd_over_all_to_all_single": round(2 * raw_ms / fb_ms, 3),
     }
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0], device=dev)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {
         "model": model, "tokens_per_rank": tokens, "dispatcher": dispatcher, "ranks": world,
         "experts": arch.num_experts, "local_experts": local, "flavor": args.flavor, "hidden": arch.dim,
@@ -201,6 +207,7 @@ def case(model: str, tokens: int, dispatcher: str, ep1: dict, mesh, dev, args) -
             "all_to_all_single_ms": round(raw_ms, 3), "all_to_all_single_gbps": round(cross / raw_ms / 1e6, 1),
         },
         "ratios": ratios,
+        "peak_gib_max_over_ranks": round(peak.item(), 2),
     }
 
 
@@ -235,7 +242,7 @@ def summary(cases: list[dict]) -> list[dict]:
     best: dict[tuple, tuple[dict, dict]] = {}
     for c in cases:
         for r in c.get("blocks", ()):  # a skipped case has none
-            if r["ep"] == c["ranks"] and not r["replay"]:
+            if r["block"] == "ep" and not r["replay"]:
                 key = (c["model"], c["tokens_per_rank"], r["dtype"])
                 if key not in best or r["ms"] < best[key][0]["ms"]:
                     best[key] = (r, c)
@@ -289,6 +296,8 @@ def main() -> None:
                             results.update({"ep": res})
                         raise
                 gc.collect()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 res["cases"].append(c)
                 res["summary"] = summary(res["cases"])
                 if rank == 0:
