@@ -63,6 +63,9 @@ class ModelConfig:
                                      "tiny one in the run dir")
     init_scale: StrictFloat = knob(0.1, "weight std of the generated tiny checkpoint (0.1: routing matters)", gt=0)
     inference_dtype: Literal["bfloat16", "float32"] = knob("bfloat16", "dtype of the vLLM replicas")
+    chat_template: Literal["", "kimi_k2"] = knob(
+        "", "the generated tiny checkpoint's chat template and special tokens, in a family's real format "
+            "(rl_loop/chat_templates.py; tool environments need one); '': none")
 
 
 @dataclass(config=CONFIG)
@@ -141,6 +144,15 @@ class RolloutConfig:
         "verifiers environments: how chat messages become tokens; 'plain' (role: text lines), 'template' (the "
         "tokenizer's chat template), 'auto' (template when the tokenizer has one)",
     )
+    tool_parser: StrictStr = knob(
+        "auto", "tool environments: vLLM's tool parser that turns sampled text into tool calls (a "
+                "ToolParserManager name, e.g. kimi_k2, glm47); 'auto': the model family's (model.arch)", min_length=1)
+    tool_sandbox: StrictBool = knob(
+        True, "tool environments: run each rollout's tool calls in a sandbox process (rl_loop/tools/sandbox.py); "
+              "false: in moerl's own process, as verifiers does")
+    tool_wall_s: StrictFloat = knob(10.0, "sandbox: wall-clock limit of one tool call", gt=0)
+    tool_cpu_s: StrictInt = knob(5, "sandbox: CPU-seconds limit of one tool call", ge=1)
+    tool_output_bytes: StrictInt = knob(65536, "sandbox: most bytes a tool call may answer (and print)", ge=1)
     prompts_per_step: StrictInt = knob(8, "GRPO groups per step", ge=1)
     samples_per_prompt: StrictInt = knob(8, "completions per prompt (group size)", ge=1)
     max_tokens: StrictInt = knob(8, "completion length (per model turn in multi-turn tasks)", ge=1)

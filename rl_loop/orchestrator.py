@@ -48,6 +48,8 @@ from .llmd import LlmdRouter
 from .router import embedded_pick
 from .rollouts import RolloutContext, generate_group
 from .tasks import get_task, group_samples, is_episodic
+from .tools.parsing import DEFAULT_PARSERS, tool_metrics
+from .tools.sandbox import SandboxLimits
 from vllm_ext.routing.handoff import sweep_dead_servers
 from vllm_ext.transport.client import Replica as ClientReplica, ShardedUpdate, push_fs
 from vllm_ext.transport.shm import sweep
@@ -90,7 +92,11 @@ class Orchestrator:
         self.cfg = config
         self.resume = resume
         self.run_dir = Path(config.run_dir).resolve()
-        self.task = get_task(config.rollout.task, config.rollout.task_args, chat_format=config.rollout.chat_format)
+        ro = config.rollout
+        sandbox = SandboxLimits(wall_s=ro.tool_wall_s, cpu_s=ro.tool_cpu_s, output_bytes=ro.tool_output_bytes) \
+            if ro.tool_sandbox else None
+        parser = DEFAULT_PARSERS.get(config.model.arch) if ro.tool_parser == "auto" else ro.tool_parser
+        self.task = get_task(ro.task, ro.task_args, chat_format=ro.chat_format, tool_parser=parser, sandbox=sandbox)
         self.rng = random.Random(config.seed)
         self.replicas: list[Replica] = []
         self.trainer_proc: subprocess.Popen | None = None
@@ -110,7 +116,8 @@ class Orchestrator:
         from .tiny_models import make_tiny_checkpoint
 
         return make_tiny_checkpoint(self.cfg.model.arch, self.run_dir / "init", dtype="float32",
-                                    init_scale=self.cfg.model.init_scale, seed=self.cfg.seed)
+                                    init_scale=self.cfg.model.init_scale, seed=self.cfg.seed,
+                                    chat_template=self.cfg.model.chat_template or None)
 
     def resume_step(self) -> int:
         """The step to continue after: the newest trainer checkpoint whose step was reported and whose
@@ -444,6 +451,7 @@ class Orchestrator:
                         "step_s": time.perf_counter() - t_step, "samples": len(fresh),
                         "rejected": rejected,
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
+                        **tool_metrics(ro.counters),
                         "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},
                         **{f"total_{name}": v for name, v in self.counters.items()},
                         **({"total_router_backoffs": self.router.backoffs} if inf_llmd else {}),

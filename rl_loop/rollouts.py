@@ -63,24 +63,28 @@ def parse_choice(choice: dict, routing_start: int = 0) -> Completion:
 
 
 def completion_body(model: str, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float, seed: int,
-                    routing_start: int = 0) -> dict:
-    """The `/v1/completions` request of a group: token ids in and out, logprobs, routing from `routing_start`."""
+                    routing_start: int = 0, stop_token_ids: tuple[int, ...] = ()) -> dict:
+    """The `/v1/completions` request of a group: token ids in and out, logprobs, routing from `routing_start`.
+    The model's EOS never ends a sample; `stop_token_ids` (a chat template's end of turn) do, and stay in it."""
     body = {
         "model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens, "temperature": temperature,
         "logprobs": 0, "return_tokens_as_token_ids": True, "seed": seed, "ignore_eos": True,
     }
     if routing_start:
         body["routed_experts_prompt_start"] = routing_start
+    if stop_token_ids:
+        body["stop_token_ids"] = list(stop_token_ids)
     return body
 
 
 async def request_group(session: aiohttp.ClientSession, replica: Replica, model: str, prompt_ids: list[int], *,
                         n: int, max_tokens: int, temperature: float, seed: int, timeout_s: float,
-                        routing_start: int = 0, route: Route | None = None) -> list[Completion]:
+                        routing_start: int = 0, stop_token_ids: tuple[int, ...] = (),
+                        route: Route | None = None) -> list[Completion]:
     """`n` completions of `prompt_ids` on `replica`; routing rows from position `routing_start` on.
     With `route`, the replica's answer is kept there for the router (the llm-d EPP hears how it ended)."""
     body = completion_body(model, prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                           routing_start=routing_start)
+                           routing_start=routing_start, stop_token_ids=stop_token_ids)
     replica.in_flight += 1
     try:
         async with session.post(replica.base_url + "/v1/completions", json=body,
@@ -226,16 +230,19 @@ class RolloutContext:
     counters: dict = field(default_factory=dict)
 
     async def complete(self, key: str, prompt_ids: list[int], *, seed: int, n: int = 1, routing_start: int = 0,
-                       max_tokens: int | None = None) -> tuple[list[Completion], Replica]:
+                       max_tokens: int | None = None,
+                       stop_token_ids: tuple[int, ...] = ()) -> tuple[list[Completion], Replica]:
         return await generate_group(
             self.session, self.replicas, self.pick, self.model, prompt_ids, key, self.counters, n=n,
             max_tokens=self.max_tokens if max_tokens is None else max_tokens, temperature=self.temperature,
-            seed=seed, timeout_s=self.timeout_s, routing_start=routing_start)
+            seed=seed, timeout_s=self.timeout_s, routing_start=routing_start, stop_token_ids=tuple(stop_token_ids))
 
-    async def turn(self, conv: Conversation, key: str, seed: int) -> Completion:
-        """Sample the model's next turn on the whole sequence so far; only new routing rows are requested."""
+    async def turn(self, conv: Conversation, key: str, seed: int, *, stop_token_ids: tuple[int, ...] = ()) -> Completion:
+        """Sample the model's next turn on the whole sequence so far; only new routing rows are requested.
+        `stop_token_ids` end the turn early (a tool-calling turn ends at the template's end of turn)."""
         start = conv.received
-        (comp,), replica = await self.complete(key, conv.ids, seed=seed, routing_start=start)
+        (comp,), replica = await self.complete(key, conv.ids, seed=seed, routing_start=start,
+                                               stop_token_ids=stop_token_ids)
         conv.record(comp, start, replica.policy_version)
         return comp
 

@@ -60,6 +60,7 @@ def make_tiny_checkpoint(
     shards: int = 1,
     mtp: bool = False,
     max_position_embeddings: int | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments).
 
@@ -67,7 +68,8 @@ def make_tiny_checkpoint(
     contains a key of `init_scales` (parameters and buffers, any rank) is drawn
     from N(0, that value) instead (the first matching key wins).
     `max_position_embeddings` overrides the context the config declares (tests of a
-    checkpoint's context limit)."""
+    checkpoint's context limit). `chat_template` (a `chat_templates` name) gives the tokenizer that
+    family's special tokens and chat template, and trains its merges on conversations in that format."""
     import transformers
 
     if arch not in ARCHS:
@@ -79,6 +81,8 @@ def make_tiny_checkpoint(
         meta["init_scales"] = dict(init_scales)
     if max_position_embeddings is not None:
         meta["max_position_embeddings"] = max_position_embeddings
+    if chat_template is not None:
+        meta["chat_template"] = chat_template
     if block_fp8 or shards != 1 or mtp:
         meta.update(block_fp8=block_fp8, shards=shards, mtp=mtp)
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
@@ -103,7 +107,14 @@ def make_tiny_checkpoint(
     model.to(getattr(torch, dtype)).save_pretrained(out)
     if block_fp8 or shards != 1 or mtp:
         _published_layout(out, block_fp8=block_fp8, shards=shards, mtp=mtp, seed=seed, init_scale=init_scale)
-    train_tokenizer(out)
+    if chat_template is None:
+        train_tokenizer(out)
+    else:
+        from .chat_templates import get_template, sample_conversations
+
+        tpl = get_template(chat_template)
+        train_tokenizer(out, special_tokens=tpl.special_tokens, extra_corpus=tuple(sample_conversations(tpl)),
+                        chat_template=tpl.template)
     stamp.write_text(json.dumps(meta))
     return out
 

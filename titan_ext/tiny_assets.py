@@ -22,8 +22,13 @@ def corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(out_dir: Path) -> None:
-    """Byte-level BPE with VOCAB_SIZE entries, saved as an HF fast tokenizer."""
+def train_tokenizer(out_dir: Path, *, special_tokens: tuple[str, ...] = (), extra_corpus: tuple[str, ...] = (),
+                    chat_template: str | None = None) -> None:
+    """Byte-level BPE with VOCAB_SIZE entries, saved as an HF fast tokenizer.
+
+    `special_tokens` (a chat format's markers) take one id each after the three base ones,
+    `extra_corpus` adds training text (so the format's frequent strings get merges), and
+    `chat_template` is saved with the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,10 +37,13 @@ def train_tokenizer(out_dir: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>", *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    tok.train_from_iterator([*corpus(), *extra_corpus], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+                                   additional_special_tokens=list(special_tokens) or None)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(out_dir)

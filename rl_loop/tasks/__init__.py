@@ -17,6 +17,7 @@ imported only when asked for). What every task is made of lives in `tasks/base.p
 
 from __future__ import annotations
 
+from ..tools.sandbox import SandboxLimits
 from .base import Episode, EpisodeTask, Prompt, Task, TextTurnsTask, group_samples, is_episodic, turn_seed
 from .charclass import CharClassTask, CharClassTurnsTask
 
@@ -26,17 +27,21 @@ __all__ = ["BUILTIN", "Episode", "EpisodeTask", "Prompt", "Task", "TextTurnsTask
 BUILTIN: dict[str, type] = {"charclass": CharClassTask, "charclass_turns": CharClassTurnsTask}
 
 
-def get_task(name: str, args: dict | None = None, *, chat_format: str = "auto") -> Task | EpisodeTask:
+def get_task(name: str, args: dict | None = None, *, chat_format: str = "auto", tool_parser: str | None = None,
+             sandbox: SandboxLimits | None = None) -> Task | EpisodeTask:
     """The task `name` (a built-in, or `verifiers:<environment id>`), built with keyword arguments `args`.
 
-    For a verifiers environment `args` go to its `load_environment`, and
-    `chat_format` says how messages become tokens (`verifiers_env.chat_format`).
+    For a verifiers environment `args` go to its `load_environment`, `chat_format` says how
+    messages become tokens (`verifiers_env.chat_format`), and a tool environment's calls are
+    parsed by vLLM's `tool_parser` and run in sandboxes with the limits `sandbox` (None: in
+    the environment's own process, as verifiers runs them).
     """
     args = dict(args or {})
     if name.startswith("verifiers:"):
         from .verifiers_env import VerifiersTask
 
-        return VerifiersTask(name.split(":", 1)[1], args, chat_format=chat_format)
+        return VerifiersTask(name.split(":", 1)[1], args, chat_format=chat_format, tool_parser=tool_parser,
+                             sandbox=sandbox)
     if name not in BUILTIN:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(BUILTIN)}, or verifiers:<environment id>")
     try:

@@ -18,10 +18,18 @@ embedded router, token-in/token-out:
   computes its own group-relative advantages.
 
 The environment sees an ordinary `vf.Response` per turn (text, token ids,
-logprobs), so rubrics and `env_response` work unchanged. Not supported: tool
-environments (the policy's tool-call syntax would need a parser), multimodal
-content, and rollouts whose turns do not extend one conversation (the client
-then fails that rollout with the reason; it is rejected, not trained on).
+logprobs), so rubrics and `env_response` work unchanged.
+
+Tool environments (`ToolEnv`, `StatefulToolEnv`): the tools' definitions go to the
+chat template with the first prompt; each model turn stops at the template's end
+of turn and is parsed by vLLM's tool parser (`tools/parsing.py`); well-formed calls
+reach the environment as `vf.ToolCall`s, and the environment's tool messages are
+rendered by the template and appended like any other environment turn. With
+`sandbox` limits, the environment's tools run in a sandbox process per rollout
+(`tools/sandbox.py`; `tool_map` entries are routed there). Not supported:
+multimodal content, tools that change mid-rollout, and rollouts whose turns do not
+extend one conversation (the client then fails that rollout with the reason; it is
+rejected, not trained on).
 Sampling follows moerl's config (`rollout.max_tokens` per turn,
 `rollout.temperature`), not the environment's `sampling_args`.
 
@@ -35,6 +43,7 @@ those, and `load_environment` results that are not a classic `Environment` are r
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import random
 import time
@@ -45,84 +54,144 @@ import verifiers as vf
 from ..report import log
 from ..rollouts import Conversation, GroupFailed, RolloutContext
 from .base import Episode, Prompt, turn_seed
-from .chat import chat_format, message_role_text
+from ..tools.parsing import ParsedTurn, ToolCallParser
+from ..tools.sandbox import Sandbox, SandboxLimits
+from .chat import chat_format, message_dict, message_role_text
+
+
+def _native_tool(tool: vf.Tool) -> dict:
+    """A verifiers tool definition in the OpenAI form chat templates and vLLM's tool parsers take."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": tool.parameters}}
 
 
 class TokenClient(vf.Client):
     """A verifiers client for one rollout that generates on moerl's replicas, token-in/token-out.
 
-    The conversation's messages so far (`history`, as (role, text)) must be a prefix
-    of every later prompt; the new messages are rendered as a continuation and
-    appended to the token sequence (mask 0), then the model's turn is sampled on
-    the whole sequence and recorded (mask 1, routing rows from the first new
-    position on).
+    The conversation's messages so far (`history`, as `chat.message_dict`s) must be a
+    prefix of every later prompt; the new messages are rendered as a continuation and
+    appended to the token sequence (mask 0), then the model's turn is sampled on the
+    whole sequence and recorded (mask 1, routing rows from the first new position on).
+    With tools, the first turn's prompt declares them, each turn stops at the chat
+    template's end-of-turn token, and the reply is parsed by `parser` (vLLM's tool
+    parser): well-formed calls go to the environment, a malformed turn stays text.
     """
 
-    def __init__(self, ctx: RolloutContext, fmt: Any, key: str, seed: int):
+    def __init__(self, ctx: RolloutContext, fmt: Any, key: str, seed: int, parser: Any = None):
         super().__init__(ctx)
-        self.ctx, self.fmt, self.key, self.seed = ctx, fmt, key, seed
+        self.ctx, self.fmt, self.key, self.seed, self.parser = ctx, fmt, key, seed, parser
         self.conversation: Conversation | None = None
-        self.history: list[tuple[str, str]] = []
+        self.history: list[dict] = []
+        self.tools: list[dict] | None = None
+        self.last_text = ""
+        self.tool_calls = 0
         self.failure: GroupFailed | None = None
 
     def setup_client(self, config: Any) -> Any:
         raise TypeError("TokenClient is built from a RolloutContext, not a ClientConfig")
 
-    async def to_native_tool(self, tool: Any) -> Any:
-        raise NotImplementedError("tool environments are not supported: moerl has no tool-call parser")
+    async def to_native_tool(self, tool: Any) -> dict:
+        return _native_tool(tool)
 
-    async def to_native_prompt(self, messages: Any) -> tuple[tuple[list[int], list[tuple[str, str]]], dict]:
-        msgs = [message_role_text(m) for m in messages]
+    async def to_native_prompt(self, messages: Any) -> tuple[list[dict], dict]:
+        return [message_dict(m) for m in messages], {}
+
+    def _new_ids(self, msgs: list[dict], tools: list[dict] | None) -> tuple[list[int], list[dict]]:
         if self.conversation is None:
-            return (self.fmt.prompt_ids(msgs), msgs), {}
+            if tools and self.parser is None:
+                raise ValueError("the environment declares tools but the task has no tool parser")
+            self.tools = tools or None
+            return self.fmt.prompt_ids(msgs, self.tools), msgs
+        if (tools or None) != self.tools:
+            raise ValueError(f"turn {self.conversation.turns + 1}: the tools changed mid-rollout; only a fixed tool "
+                             "set per rollout is supported")
         n = len(self.history)
         if msgs[:n] != self.history:
             at = next((i for i, (a, b) in enumerate(zip(msgs, self.history)) if a != b), min(len(msgs), n))
             raise ValueError(f"turn {self.conversation.turns + 1}: the prompt does not extend the conversation "
                              f"(message {at} differs or is missing); only linear multi-turn rollouts are supported")
         new = msgs[n:]
-        return (self.fmt.continuation_ids(self.history, new, self.conversation.completion_ids), new), {}
+        return self.fmt.continuation_ids(self.history, new, self.conversation.completion_ids, self.tools,
+                                         reply_text=self.last_text), new
 
-    async def get_native_response(self, prompt: tuple[list[int], list[tuple[str, str]]], model: str,
-                                  sampling_args: Any, tools: Any = None, **kwargs: Any) -> Any:
-        if tools:
-            raise NotImplementedError("tool environments are not supported: moerl has no tool-call parser")
-        ids, new = prompt
+    async def get_native_response(self, prompt: list[dict], model: str, sampling_args: Any, tools: Any = None,
+                                  **kwargs: Any) -> Any:
+        ids, new = self._new_ids(prompt, tools)
         if self.conversation is None:
             self.conversation = Conversation(ids)
         else:
             self.conversation.append(ids)
         self.history.extend(new)
+        stop = self.fmt.end_of_turn_ids() if self.tools else ()
         try:
-            comp = await self.ctx.turn(self.conversation, self.key, turn_seed(self.seed, 0, self.conversation.turns))
+            comp = await self.ctx.turn(self.conversation, self.key, turn_seed(self.seed, 0, self.conversation.turns),
+                                       stop_token_ids=stop)
         except GroupFailed as exc:
             self.failure = exc
             raise
         text = self.ctx.tokenizer.decode(comp.completion_ids)
-        self.history.append(("assistant", text))
-        return comp, text
+        parsed = self.parser.parse(text) if self.tools else ParsedTurn(text)
+        if parsed.tool_calls and not self.fmt.renders_verbatim(self.history, parsed.message(), text, self.tools):
+            parsed = ParsedTurn(text, [], "the chat template renders the parsed calls differently from the sampled "
+                                          "text")
+        counters = self.ctx.counters
+        if parsed.malformed:
+            counters["malformed_tool_calls"] = counters.get("malformed_tool_calls", 0) + 1
+        self.tool_calls += len(parsed.tool_calls)
+        self.history.append(parsed.message())
+        self.last_text = text
+        return comp, parsed
 
     async def raise_from_native_response(self, response: Any) -> None:
         return None
 
     async def from_native_response(self, response: Any) -> vf.Response:
-        comp, text = response
+        comp, parsed = response
         conv = self.conversation
         prompt_len = len(conv.ids) - len(comp.completion_ids)
-        finish = comp.finish_reason if comp.finish_reason in ("stop", "length", "tool_calls") else "length"
+        finish = comp.finish_reason if comp.finish_reason in ("stop", "length") else "length"
+        if parsed.tool_calls:
+            finish = "tool_calls"
         tokens = vf.ResponseTokens(prompt_ids=conv.ids[:prompt_len], prompt_mask=[0] * prompt_len,
                                    completion_ids=list(comp.completion_ids),
                                    completion_mask=[1] * len(comp.completion_ids),
                                    completion_logprobs=list(comp.logprobs))
         usage = vf.Usage(prompt_tokens=prompt_len, reasoning_tokens=0, completion_tokens=len(comp.completion_ids),
                          total_tokens=len(conv.ids))
-        message = vf.ResponseMessage(content=text, finish_reason=finish, is_truncated=finish == "length",
-                                     tokens=tokens)
+        calls = [vf.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in parsed.tool_calls] or None
+        message = vf.ResponseMessage(content=parsed.content, tool_calls=calls, finish_reason=finish,
+                                     is_truncated=finish == "length", tokens=tokens)
         return vf.Response(id=f"moerl-{self.key}-{conv.turns}", created=int(time.time()), model=self.ctx.model,
                            usage=usage, message=message)
 
     async def close(self) -> None:
         return None
+
+
+_SANDBOX: contextvars.ContextVar[Sandbox | None] = contextvars.ContextVar("moerl_tool_sandbox", default=None)
+
+
+def _sandbox_tools(env: vf.Environment) -> None:
+    """Route the environment's tool calls (`ToolEnv.tool_map`, also behind `StatefulToolEnv`) through the
+    calling rollout's sandbox: the environment still decides what to call, the tool runs in the sandbox."""
+    tool_map = getattr(env, "tool_map", None)
+    if not isinstance(tool_map, dict):
+        raise TypeError(f"{type(env).__name__} declares tools but has no tool_map; moerl runs the tools of "
+                        "ToolEnv and StatefulToolEnv environments")
+    for name, fn in list(tool_map.items()):
+        tool_map[name] = _in_sandbox(name, fn)
+
+
+def _in_sandbox(name: str, fn: Any) -> Any:
+    async def call(**args: Any) -> str:
+        box = _SANDBOX.get()
+        if box is None:
+            raise RuntimeError(f"tool {name!r} was called outside a moerl rollout (no sandbox)")
+        return (await box.call(fn, args)).text
+
+    call.__name__ = name
+    return call
 
 
 def _describe_error(err: Any) -> str:
@@ -134,16 +203,21 @@ class VerifiersTask:
     """An episode task backed by a verifiers environment (see the module doc)."""
 
     def __init__(self, env_id: str, env_args: dict | None = None, *, chat_format: str = "auto",
-                 environment: vf.Environment | None = None):
+                 environment: vf.Environment | None = None, tool_parser: str | None = None,
+                 sandbox: SandboxLimits | None = None):
         self.env_id = env_id
         self.name = f"verifiers:{env_id}"
         self.env = environment if environment is not None else vf.load_environment(env_id, **(env_args or {}))
         if not isinstance(self.env, vf.Environment):
             raise TypeError(f"{env_id}: load_environment returned {type(self.env).__name__}, not a verifiers "
                             "Environment (verifiers >= 0.4 environments are not supported)")
-        if getattr(self.env, "tool_defs", None):
-            raise ValueError(f"{env_id}: tool environments are not supported (the policy's tool calls would need "
-                             "a parser for its chat format)")
+        self.has_tools = bool(getattr(self.env, "tool_defs", None))
+        if self.has_tools and tool_parser is None:
+            raise ValueError(f"{env_id}: a tool environment needs a tool parser: set rollout.tool_parser to one of "
+                             "vLLM's (kimi_k2, glm47, ...); 'auto' knows the kimi_k2 and glm5 families")
+        self.tool_parser, self.sandbox = tool_parser, sandbox
+        if self.has_tools and sandbox is not None:
+            _sandbox_tools(self.env)
         self.chat_format = chat_format
         self.dataset = self.env.get_dataset()
         if len(self.dataset) == 0:
@@ -159,9 +233,26 @@ class VerifiersTask:
 
     async def run_group(self, ctx: RolloutContext, prompt: Prompt, n: int, key: str, seed: int) -> list[Episode]:
         fmt = chat_format(ctx.tokenizer, self.chat_format)
-        clients = [TokenClient(ctx, fmt, key, turn_seed(seed, i, 0)) for i in range(n)]
-        states = await asyncio.gather(*(self.env.rollout(copy.deepcopy(prompt.meta["input"]), c, ctx.model, {})
-                                        for c in clients))
+        parser = None
+        if self.has_tools:
+            tools = [_native_tool(t) for t in self.env.tool_defs]
+            parser = ToolCallParser(self.tool_parser, ctx.tokenizer, tools)
+        clients = [TokenClient(ctx, fmt, key, turn_seed(seed, i, 0), parser) for i in range(n)]
+
+        async def one(client: TokenClient) -> vf.State:
+            box = Sandbox(self.sandbox) if self.has_tools and self.sandbox is not None else None
+            _SANDBOX.set(box)  # this rollout's task only: its tool calls run in its own sandbox
+            try:
+                return await self.env.rollout(copy.deepcopy(prompt.meta["input"]), client, ctx.model, {})
+            finally:
+                if box is not None:
+                    box.close()
+
+        states = await asyncio.gather(*(one(c) for c in clients))
+        if self.has_tools:
+            for key_, value in (("rollouts", n), ("tool_rollouts", sum(c.tool_calls > 0 for c in clients)),
+                                ("tool_calls", sum(c.tool_calls for c in clients))):
+                ctx.counters[key_] = ctx.counters.get(key_, 0) + value
         for c in clients:
             if c.failure is not None:  # no replica could generate: the step fails, as single-turn groups do
                 raise c.failure

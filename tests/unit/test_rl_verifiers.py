@@ -56,7 +56,7 @@ class ScriptedReplicas(RolloutContext):
 
     calls: list
 
-    async def complete(self, key, prompt_ids, *, seed, n=1, routing_start=0, max_tokens=None):
+    async def complete(self, key, prompt_ids, *, seed, n=1, routing_start=0, max_tokens=None, stop_token_ids=()):
         self.calls.append((list(prompt_ids), routing_start))
         rng = random.Random(seed)
         ids = [rng.randrange(3, 512) for _ in range(self.max_tokens)]
@@ -182,12 +182,16 @@ def test_group_failure_propagates_from_a_turn(tok):
         asyncio.run(task.run_group(ctx, task.prompts(random.Random(0), 1)[0], 2, "g", 0))
 
 
+def _m(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
 def test_plain_chat_appends_only_the_new_messages(tok):
     fmt = chat_format(tok, "auto")
     assert isinstance(fmt, PlainChat)
-    first = fmt.prompt_ids([("system", "be brief"), ("user", "write digits:")])
+    first = fmt.prompt_ids([_m("system", "be brief"), _m("user", "write digits:")])
     assert tok.decode(first) == "system: be brief\nuser: write digits:\nassistant:"
-    cont = fmt.continuation_ids([("user", "write digits:"), ("assistant", " 12")], [("user", "again")], [1])
+    cont = fmt.continuation_ids([_m("user", "write digits:"), _m("assistant", " 12")], [_m("user", "again")], [1])
     assert tok.decode(cont) == "\nuser: again\nassistant:"
 
 
@@ -196,22 +200,23 @@ def test_template_chat_closes_the_reply_then_renders_the_new_turn(tok):
     try:
         fmt = chat_format(tok, "auto")
         assert isinstance(fmt, TemplateChat)
-        first = fmt.prompt_ids([("user", "write digits:")])
+        first = fmt.prompt_ids([_m("user", "write digits:")])
         assert tok.decode(first) == "<|bos|>user\nwrite digits:<|eos|>\n<|bos|>assistant\n"
-        history = [("user", "write digits:"), ("assistant", "12 34")]
+        history = [_m("user", "write digits:"), _m("assistant", "12 34")]
         reply_ids = tok("12 34", add_special_tokens=False).input_ids
-        cont = fmt.continuation_ids(history, [("user", "again")], reply_ids)
+        cont = fmt.continuation_ids(history, [_m("user", "again")], reply_ids)
         assert tok.decode(cont) == "<|eos|>\n<|bos|>user\nagain<|eos|>\n<|bos|>assistant\n"
         # the sequence is the whole conversation rendered by the template, with the reply's own tokens kept
         assert tok.decode(first + reply_ids + cont) == tok.apply_chat_template(
-            [{"role": r, "content": c} for r, c in history + [("user", "again")]], tokenize=False,
+            history + [_m("user", "again")], tokenize=False,
             add_generation_prompt=True)
         # a reply that sampled the end-of-turn token itself is not closed twice
-        ended = fmt.continuation_ids(history, [("user", "again")], reply_ids + [tok.eos_token_id])
+        ended = fmt.continuation_ids(history, [_m("user", "again")], reply_ids + [tok.eos_token_id])
         assert tok.decode(ended) == "\n<|bos|>user\nagain<|eos|>\n<|bos|>assistant\n"
         tok.chat_template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
         with pytest.raises(ValueError, match="verbatim"):
-            chat_format(tok, "template").continuation_ids([("user", "x"), ("assistant", " 12 ")], [("user", "y")], [5])
+            chat_format(tok, "template").continuation_ids([_m("user", "x"), _m("assistant", " 12 ")], [_m("user", "y")],
+                                                          [5])
     finally:
         tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
@@ -228,7 +233,7 @@ def test_message_text_accepts_dicts_objects_and_text_parts():
     assert message_role_text(Msg()) == ("user", "ab")
     with pytest.raises(ValueError, match="image_url"):
         message_role_text({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
-    with pytest.raises(ValueError, match="tool calls"):
+    with pytest.raises(ValueError, match="tool calls are not supported by moerl's plain"):
         message_role_text({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]})
 
 
@@ -324,12 +329,12 @@ def test_no_replica_fails_the_group_instead_of_the_rollout(tok):
         asyncio.run(task.run_group(ctx, task.prompts(random.Random(0), 1)[0], 2, "g", 0))
 
 
-def test_tool_environments_are_refused():
+def test_tool_environments_need_a_tool_parser():
     def add(a: int, b: int) -> int:
         """Add two numbers."""
         return a + b
 
-    with pytest.raises(ValueError, match="tool environments"):
+    with pytest.raises(ValueError, match="needs a tool parser"):
         VerifiersTask("tools", environment=vf.ToolEnv(dataset=_dataset(), tools=[add]))
 
 

@@ -1,0 +1,68 @@
+"""The built-in agentic task: a `verifiers` ToolEnv whose answer is only known to its tool.
+
+`rollout.task = "verifiers:rl_loop.tasks.vf_lookup"` (configs/tiny_kimi_k2_tools.toml).
+Each prompt asks for the code stored under a key ("code of k7?"); the one tool,
+`lookup(key)`, returns it (a 3-digit code derived from the key, unguessable without
+the tool). The reward is 1 when the final reply contains the code, else the fraction
+of its digits the reply gets in place; the `ToolEnv`'s own metrics count the calls.
+So a policy learns to call the tool, with well-formed arguments, and to copy its
+answer: the smallest agentic loop, small enough for the tiny CPU models.
+
+The tool is a module-level function, so the sandbox ships it by reference and the
+sandboxed process imports only this module's light top (`code_of` needs nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+
+def code_of(key: str) -> str:
+    """The code stored under `key`: three digits from a hash of it."""
+    return f"{int(hashlib.sha256(key.encode()).hexdigest(), 16) % 1000:03d}"
+
+
+def lookup(key: str) -> str:
+    """The code stored under a key.
+
+    Args:
+        key: the key, e.g. k7
+    """
+    return code_of(key.strip())
+
+
+# `lookup` as the environment declares it (verifiers' convert_func_to_tool_def, in OpenAI form): the text the
+# tiny tokenizer is trained on (chat_templates.sample_conversations); a test checks the two agree.
+TOOL_SPEC = {"type": "function", "function": {
+    "name": "lookup", "description": "The code stored under a key.",
+    "parameters": {"properties": {"key": {"description": "the key, e.g. k7", "title": "Key", "type": "string"}},
+                   "required": ["key"], "title": "lookup_args", "type": "object", "additionalProperties": False}}}
+
+
+def _final_reply(completion) -> str:
+    for m in reversed(completion or []):
+        role = m["role"] if isinstance(m, dict) else m.role
+        if role == "assistant":
+            content = m["content"] if isinstance(m, dict) else m.content
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+def copied_code(completion, info, **kwargs) -> float:
+    """1 if the final reply contains the key's code, else the fraction of the code's digits in place."""
+    code, reply = code_of(info["key"]), _final_reply(completion)
+    if code in reply:
+        return 1.0
+    return sum(a == b for a, b in zip(code, reply.strip())) / len(code)
+
+
+def load_environment(size: int = 100, seed: int = 0, max_turns: int = 3):
+    import verifiers as vf
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    keys = [f"k{rng.randrange(100)}" for _ in range(size)]
+    rows = [{"question": f"code of {k}?", "answer": code_of(k), "info": {"key": k}} for k in keys]
+    return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[lookup], max_turns=max_turns,
+                      rubric=vf.Rubric(funcs=[copied_code]))
