@@ -27,9 +27,15 @@ def test_lean_dispatch_kernels_match_torchtitan_dispatch(model, pad, monkeypatch
     use_triton = experts._use_triton
 
     def record(t):
-        # The kernels run for CUDA tensors only; under the interpreter they run on CPU ones.
-        chosen.append(True if INTERPRETED else use_triton(t))
-        return chosen[-1]
+        # The kernels run for CUDA tensors only; under the interpreter they run on CPU ones. On the
+        # GPU the reference block's CPU tensors ask too (and are told no): only the lean block's count.
+        if INTERPRETED:
+            chosen.append(True)
+            return True
+        use = use_triton(t)
+        if t.device.type == DEVICE.type:
+            chosen.append(use)
+        return use
 
     monkeypatch.setattr(experts, "_use_triton", record)
     if DEVICE.type == "cuda":
