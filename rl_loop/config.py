@@ -66,6 +66,9 @@ class ModelConfig:
     chat_template: Literal["", "kimi_k2"] = knob(
         "", "the generated tiny checkpoint's chat template and special tokens, in a family's real format "
             "(rl_loop/chat_templates.py; tool environments need one); '': none")
+    warm_start_steps: StrictInt = knob(
+        0, "supervised steps on demonstrations in the chat template's format before RL (rl_loop/warm_start.py: a "
+           "random tiny model never samples a well-formed tool call); 0: none", ge=0)
 
 
 @dataclass(config=CONFIG)

@@ -117,7 +117,8 @@ class Orchestrator:
 
         return make_tiny_checkpoint(self.cfg.model.arch, self.run_dir / "init", dtype="float32",
                                     init_scale=self.cfg.model.init_scale, seed=self.cfg.seed,
-                                    chat_template=self.cfg.model.chat_template or None)
+                                    chat_template=self.cfg.model.chat_template or None,
+                                    warm_start_steps=self.cfg.model.warm_start_steps)
 
     def resume_step(self) -> int:
         """The step to continue after: the newest trainer checkpoint whose step was reported and whose

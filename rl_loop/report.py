@@ -54,7 +54,7 @@ class Reporter:
 
 
 def plot(records: list[dict], out: Path) -> Path | None:
-    """Reward and mismatch KL over steps, as a PNG."""
+    """Reward (and the tool-use rate of tool environments) and mismatch KL over steps, as a PNG."""
     if not records:
         return None
     import matplotlib
@@ -64,7 +64,10 @@ def plot(records: list[dict], out: Path) -> Path | None:
 
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot(steps, [r["reward"] for r in records], marker="o")
+    ax1.plot(steps, [r["reward"] for r in records], marker="o", label="mean reward")
+    if all("tool_use_rate" in r for r in records):  # tool environments: the fraction of rollouts that used a tool
+        ax1.plot(steps, [r["tool_use_rate"] for r in records], marker="s", label="tool-use rate")
+        ax1.legend()
     ax1.set(xlabel="step", ylabel="mean reward", title="reward")
     ax2.plot(steps, [r["k3_mean"] for r in records], marker="o", label="mean k3")
     ax2.plot(steps, [r["k3_max"] for r in records], marker="x", label="max k3")

@@ -61,6 +61,7 @@ def make_tiny_checkpoint(
     mtp: bool = False,
     max_position_embeddings: int | None = None,
     chat_template: str | None = None,
+    warm_start_steps: int = 0,
 ) -> Path:
     """Write config, safetensors and tokenizer for `arch` to `out_dir` (idempotent for equal arguments).
 
@@ -69,11 +70,14 @@ def make_tiny_checkpoint(
     from N(0, that value) instead (the first matching key wins).
     `max_position_embeddings` overrides the context the config declares (tests of a
     checkpoint's context limit). `chat_template` (a `chat_templates` name) gives the tokenizer that
-    family's special tokens and chat template, and trains its merges on conversations in that format."""
+    family's special tokens and chat template, and trains its merges on conversations in that format;
+    `warm_start_steps` then trains the model on demonstrations in that format (`warm_start.py`)."""
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+    if warm_start_steps and (chat_template is None or block_fp8 or shards != 1 or mtp):
+        raise ValueError("warm_start_steps needs a chat_template and the plain layout (no block_fp8, shards, mtp)")
     out = Path(out_dir)
     stamp = out / "moerl_tiny.json"
     meta = {"arch": arch, "dtype": dtype, "init_scale": init_scale, "seed": seed}
@@ -83,6 +87,8 @@ def make_tiny_checkpoint(
         meta["max_position_embeddings"] = max_position_embeddings
     if chat_template is not None:
         meta["chat_template"] = chat_template
+    if warm_start_steps:
+        meta["warm_start_steps"] = warm_start_steps
     if block_fp8 or shards != 1 or mtp:
         meta.update(block_fp8=block_fp8, shards=shards, mtp=mtp)
     if stamp.exists() and json.loads(stamp.read_text()) == meta:
@@ -115,6 +121,10 @@ def make_tiny_checkpoint(
         tpl = get_template(chat_template)
         train_tokenizer(out, special_tokens=tpl.special_tokens, extra_corpus=tuple(sample_conversations(tpl)),
                         chat_template=tpl.template)
+    if warm_start_steps:
+        from .warm_start import warm_start
+
+        warm_start(out, steps=warm_start_steps, dtype=dtype, seed=seed)
     stamp.write_text(json.dumps(meta))
     return out
 

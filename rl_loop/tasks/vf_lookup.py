@@ -4,9 +4,12 @@
 Each prompt asks for the code stored under a key ("code of k7?"); the one tool,
 `lookup(key)`, returns it (a 3-digit code derived from the key, unguessable without
 the tool). The reward is 1 when the final reply contains the code, else the fraction
-of its digits the reply gets in place; the `ToolEnv`'s own metrics count the calls.
-So a policy learns to call the tool, with well-formed arguments, and to copy its
-answer: the smallest agentic loop, small enough for the tiny CPU models.
+of its digits the reply gets in place, plus `tool_bonus` (0.5) for a well-formed
+`lookup` call: a tiny model copies a code only after much training, and the bonus
+gives it a gradient towards the tool before it can (the shaping agentic curricula
+use). The `ToolEnv`'s own metrics count the calls. So a policy learns to call the
+tool, with well-formed arguments, and to copy its answer: the smallest agentic
+loop, small enough for the tiny CPU models.
 
 The tool is a module-level function, so the sandbox ships it by reference and the
 sandboxed process imports only this module's light top (`code_of` needs nothing).
@@ -57,7 +60,18 @@ def copied_code(completion, info, **kwargs) -> float:
     return sum(a == b for a, b in zip(code, reply.strip())) / len(code)
 
 
-def load_environment(size: int = 100, seed: int = 0, max_turns: int = 3):
+def called_lookup(completion, **kwargs) -> float:
+    """1 if the policy made a well-formed `lookup` call (the parser read it and the environment ran it)."""
+    for m in completion or []:
+        calls = m.get("tool_calls") if isinstance(m, dict) else getattr(m, "tool_calls", None)
+        for c in calls or []:
+            name = c["function"]["name"] if isinstance(c, dict) else c.name
+            if name == "lookup":
+                return 1.0
+    return 0.0
+
+
+def load_environment(size: int = 100, seed: int = 0, max_turns: int = 3, tool_bonus: float = 0.5):
     import verifiers as vf
     from datasets import Dataset
 
@@ -65,4 +79,4 @@ def load_environment(size: int = 100, seed: int = 0, max_turns: int = 3):
     keys = [f"k{rng.randrange(100)}" for _ in range(size)]
     rows = [{"question": f"code of {k}?", "answer": code_of(k), "info": {"key": k}} for k in keys]
     return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[lookup], max_turns=max_turns,
-                      rubric=vf.Rubric(funcs=[copied_code]))
+                      rubric=vf.Rubric(funcs=[copied_code, called_lookup], weights=[1.0, tool_bonus]))

@@ -84,7 +84,7 @@ def test_a_three_turn_tool_conversation_is_one_sequence_as_the_template_renders_
     ctx = scripted(tok, script)
     (ep,) = asyncio.run(task.run_group(ctx, prompt, 1, "g", 0))
     conv = ep.conversation
-    assert ep.error is None and conv.turns == 3 and ep.reward == 1.0
+    assert ep.error is None and conv.turns == 3 and ep.reward == 1.0 + 0.5  # the code, and the tool bonus
     # the sequence is the template's rendering of the whole conversation, with the sampled turns as sampled
     messages = [{"role": "user", "content": f"code of {key}?"}]
     for i, k in enumerate(["k1", key]):
