@@ -13,8 +13,6 @@ import time
 
 import numpy as np
 import pytest
-import verifiers as vf
-from datasets import Dataset
 from transformers import AutoTokenizer
 
 from rl_loop.chat_templates import KIMI_K2, sample_conversations
