@@ -130,9 +130,12 @@ class TokenClient(vf.Client):
             self.failure = exc
             raise
         text = self.ctx.tokenizer.decode(comp.completion_ids)
-        parsed = self.parser.parse(text) if self.tools else ParsedTurn(text)
-        if parsed.tool_calls and not self.fmt.renders_verbatim(self.history, parsed.message(), text, self.tools):
-            parsed = ParsedTurn(text, [], "the chat template renders the parsed calls differently from the sampled "
+        # The reply without the end-of-turn token it stopped at, as vLLM's chat endpoint returns it.
+        ended = bool(stop) and comp.completion_ids[-1:] == [stop[0]]
+        body = self.ctx.tokenizer.decode(comp.completion_ids[:-1]) if ended else text
+        parsed = self.parser.parse(body) if self.tools else ParsedTurn(text)
+        if parsed.tool_calls and not self.fmt.renders_verbatim(self.history, parsed.message(), body, self.tools):
+            parsed = ParsedTurn(body, [], "the chat template renders the parsed calls differently from the sampled "
                                           "text")
         counters = self.ctx.counters
         if parsed.malformed:
