@@ -142,8 +142,11 @@ class TemplateChat:
         replied = self._render(history, False, tools)
         reply = history[-1]["content"] if reply_text is None else reply_text
         if not replied.startswith(asked + reply):
+            at = next((i for i, (a, b) in enumerate(zip(replied[len(asked):], reply)) if a != b), len(reply))
             raise ValueError("the chat template does not render the assistant's reply verbatim after its generation "
-                             "prompt (it rewrites history); use chat_format = 'plain'")
+                             f"prompt (it rewrites history; from reply character {at}: sampled "
+                             f"{reply[at:at + 40]!r}, rendered {replied[len(asked) + at:len(asked) + at + 40]!r}); "
+                             "use chat_format = 'plain'")
         close = replied[len(asked + reply):]
         # A reply that ended with a special end-of-turn token (sampled, so already in the sequence) is not closed twice.
         if last_completion_ids and last_completion_ids[-1] in set(self.tokenizer.all_special_ids):

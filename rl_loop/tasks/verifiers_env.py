@@ -65,6 +65,15 @@ def _native_tool(tool: vf.Tool) -> dict:
                                              "parameters": tool.parameters}}
 
 
+def parse_reply(parser: ToolCallParser, fmt: Any, history: list[dict], body: str, tools: list[dict]) -> ParsedTurn:
+    """The reply `body` (sampled after `history`, without its end-of-turn token) as an assistant message: its
+    parsed calls only where the chat template renders them back as exactly `body`, else plain text (malformed)."""
+    parsed = parser.parse(body)
+    if parsed.tool_calls and not fmt.renders_verbatim(history, parsed.message(), body, tools):
+        return ParsedTurn(body, [], "the chat template renders the parsed calls differently from the sampled text")
+    return parsed
+
+
 class TokenClient(vf.Client):
     """A verifiers client for one rollout that generates on moerl's replicas, token-in/token-out.
 
@@ -133,10 +142,7 @@ class TokenClient(vf.Client):
         # The reply without the end-of-turn token it stopped at, as vLLM's chat endpoint returns it.
         ended = bool(stop) and comp.completion_ids[-1:] == [stop[0]]
         body = self.ctx.tokenizer.decode(comp.completion_ids[:-1]) if ended else text
-        parsed = self.parser.parse(body) if self.tools else ParsedTurn(text)
-        if parsed.tool_calls and not self.fmt.renders_verbatim(self.history, parsed.message(), body, self.tools):
-            parsed = ParsedTurn(body, [], "the chat template renders the parsed calls differently from the sampled "
-                                          "text")
+        parsed = parse_reply(self.parser, self.fmt, self.history, body, self.tools) if self.tools else ParsedTurn(text)
         counters = self.ctx.counters
         if parsed.malformed:
             counters["malformed_tool_calls"] = counters.get("malformed_tool_calls", 0) + 1
