@@ -87,6 +87,16 @@ async def _drain(stream: asyncio.StreamReader, cap: int, over: asyncio.Event) ->
         chunks.append(chunk)
 
 
+async def _reaped(proc: asyncio.subprocess.Process, grace_s: float = 5.0) -> None:
+    """Wait for a killed worker's exit, for a bounded time. Its group is dead by now, but the event
+    loop's child watcher may never report it (seen under pytest-xdist, where the call waited for
+    ever with no child left): the call then ends anyway instead of hanging the rollout."""
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except asyncio.TimeoutError:
+        pass
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -131,7 +141,7 @@ class Sandbox:
             over_wait.cancel()
         wall = time.perf_counter() - t0
         if reads not in done:
-            await proc.wait()
+            await _reaped(proc)
             reads.cancel()
             if over.is_set():
                 return ToolOutcome(f"tool error: output exceeded {lim.output_bytes} bytes; the tool was stopped",
