@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -11,7 +12,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import aiohttp
+import numpy as np
 import pytest
+
+from vllm_ext.routing.record import decode_record_b64
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -144,3 +149,20 @@ def mask_spans(mask: list[int]) -> list[tuple[int, int, int]]:
             out.append((mask[start], start, i))
             start = i
     return out
+
+
+def reference_record(base_url: str, model: str, ids: list[int], salt: str) -> np.ndarray:
+    """Routing of one request over the whole sequence `ids`, isolated from any cached blocks by
+    `salt`: what a stitched multi-turn record must equal (its rows for every fed token)."""
+
+    async def one():
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base_url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                data = await resp.json()
+        rec = decode_record_b64(data["choices"][0]["routed_experts"])
+        assert rec.start == 0 and rec.num_rows == len(ids)
+        return rec.expert_ids[: len(ids) - 1]
+
+    return asyncio.run(one())

@@ -30,7 +30,7 @@ import verifiers as vf
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from tests.conftest import mask_spans
+from tests.conftest import mask_spans, reference_record
 from tests.ports import free_port
 from rl_loop.batch import ModelShape, pack
 from rl_loop.loss import LossConfig
@@ -42,7 +42,6 @@ from rl_loop.tasks.charclass import class_fraction
 from rl_loop.tasks.verifiers_env import VerifiersTask
 from rl_loop.trainer import rl_step
 from titan_ext.checkpoint import load_hf_checkpoint, read_arch
-from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
 
@@ -74,23 +73,6 @@ def _run(server, coro_fn):
     return asyncio.run(main())
 
 
-def _reference_record(server, ids: list[int], salt: str) -> np.ndarray:
-    """Routing of one request over the whole final sequence, isolated from the turns' cached blocks."""
-    _, replica, model, _ = server
-
-    async def one():
-        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(replica.base_url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                data = await resp.json()
-        rec = decode_record_b64(data["choices"][0]["routed_experts"])
-        assert rec.start == 0 and rec.num_rows == len(ids)
-        return rec.expert_ids[: len(ids) - 1]
-
-    return asyncio.run(one())
-
-
 def _prefix_cache_hits(replica) -> float:
     with urllib.request.urlopen(replica.base_url + "/metrics") as r:
         text = r.read().decode()
@@ -106,7 +88,7 @@ def _check_stitched(server, episodes, salt):
         first = len(conv.prompt_ids) + TURN_TOKENS - 1
         env_lens = [e - s for v, s, e in mask_spans(conv.mask) if v == 0]
         assert conv.rows_per_turn == [first] + [n + TURN_TOKENS for n in env_lens]
-        ref = _reference_record(server, conv.ids, f"{salt}-{k}")
+        ref = reference_record(server[1].base_url, server[2], conv.ids, f"{salt}-{k}")
         differ = int((np.sort(stitched, -1) != np.sort(ref, -1)).any(-1).sum())
         assert differ == 0, f"rollout {k}: {differ} (position, layer) rows differ from one request over the sequence"
 

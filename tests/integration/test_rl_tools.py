@@ -38,10 +38,9 @@ from rl_loop.tasks.vf_lookup import lookup
 from rl_loop.tools.parsing import ToolCallParser
 from rl_loop.tools.sandbox import SandboxLimits
 from rl_loop.trainer import rl_step
-from tests.conftest import ROOT, mask_spans
+from tests.conftest import ROOT, mask_spans, reference_record
 from tests.ports import free_port, free_ports
 from titan_ext.checkpoint import load_hf_checkpoint, read_arch
-from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
 WARM_START_STEPS = 60
@@ -87,22 +86,6 @@ def episodes(server):
         return found, ctx.counters
 
     return asyncio.run(main())
-
-
-def _reference_record(server, ids: list[int], salt: str) -> np.ndarray:
-    replica, model, _ = server
-
-    async def one():
-        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(replica.base_url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                data = await resp.json()
-        rec = decode_record_b64(data["choices"][0]["routed_experts"])
-        assert rec.start == 0 and rec.num_rows == len(ids)
-        return rec.expert_ids[: len(ids) - 1]
-
-    return asyncio.run(one())
 
 
 def _longest(episodes):
@@ -152,7 +135,8 @@ def test_the_routing_record_covers_every_token_across_tool_turns(server, episode
     stitched = conv.routing()
     assert stitched is not None and stitched.shape[0] == len(conv.ids) - 1
     assert sum(conv.rows_per_turn) == len(conv.ids) - 1 and len(conv.rows_per_turn) == conv.turns
-    ref = _reference_record(server, conv.ids, "tools-ref")
+    replica, model, _ = server
+    ref = reference_record(replica.base_url, model, conv.ids, "tools-ref")
     differ = int((np.sort(stitched, -1) != np.sort(ref, -1)).any(-1).sum())
     assert differ == 0, f"{differ} (position, layer) rows differ from one request over the sequence"
 
