@@ -233,3 +233,13 @@ def test_the_checks_see_hidden_cycles_and_indirect_vllm(tmp_path):
     assert path_edits((tmp_path / "pkg/f.py").read_text()) == [2, 3, 4, 6, 8]
     (tmp_path / "pkg/b.py").write_text("def g():\n    return 1\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))[0]) is None
+
+
+def test_no_two_test_files_share_a_name():
+    """``tests/unit`` and ``tests/integration`` are not packages, so pytest imports each test file
+    by its bare name: two files of one name make collection fail (an error CI has hit)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.parent != ROOT / "tests":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}
