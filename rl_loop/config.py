@@ -183,6 +183,10 @@ class TrainConfig:
     dispatcher: Literal["lean", "torchtitan", "deepep"] = knob(
         "lean", "MoE token dispatcher of the trainer (as torchtitan train --titan_ext.dispatcher)")
     fp8: StrictBool = knob(False, "expert GEMMs in fp8 (as torchtitan train --titan_ext.fp8; lean or deepep dispatcher)")
+    loss_chunk_tokens: StrictInt = knob(
+        0, "LM head and loss on chunks of about this many of a trainer process's positions, never holding "
+           "[tokens, vocabulary] logits (rl_loop/chunked_loss.py; as torchtitan train --titan_ext.loss_chunks); "
+           "0: whole sequences", ge=0)
     cpus: CpuList = knob(
         "auto",
         "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "

@@ -6,7 +6,10 @@ much (r outside [1/max_ratio, max_ratio]) the token is dropped from the loss
 instead of clipped: such tokens are numerics or routing artefacts, not signal.
 The same pass measures the mismatch: the k3 estimator exp(d) - d - 1 with
 d = logp_train - logp_infer over completion tokens, and the fraction of extreme
-tokens. This is the one definition of the loss; the trainer calls it.
+tokens. This is the one definition of the loss; the trainer calls it, on whole sequences or, to
+never hold [tokens, vocabulary] logits, chunk by chunk (`rl_loop.chunked_loss`): every term
+is per token, so a chunk's share is `surrogate` over its tokens and the metrics are taken
+once over the assembled log-probabilities.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class LossOutput:
     k3_max: float
     extreme_frac: float
     masked_frac: float
+    entropy_mean: float | None = None
+    """Mean entropy of the policy over completion tokens, when the caller measured it."""
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -37,10 +42,31 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy at each position of `logits` ([B, S, V] -> [B, S], fp32, no gradient)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+
+
 def mismatch_k3(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
     """Per-token k3 KL estimate exp(d) - d - 1, d = logp_train - logp_infer (>= 0)."""
     d = logp_train - logp_infer
     return torch.expm1(d) - d
+
+
+def extreme_tokens(logp_train: torch.Tensor, logp_infer: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Where p_train / p_infer is outside [1 / max_ratio, max_ratio] (no gradient)."""
+    with torch.no_grad():
+        ratio = torch.exp(logp_train - logp_infer)
+        return (ratio > config.max_ratio) | (ratio < 1.0 / config.max_ratio)
+
+
+def surrogate(logp_train: torch.Tensor, logp_infer: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              config: LossConfig) -> torch.Tensor:
+    """The loss's numerator: -sum of ratio x advantage over the completion tokens that are not extreme."""
+    keep = mask.bool() & ~extreme_tokens(logp_train, logp_infer, config)
+    return -(torch.exp(logp_train - logp_infer) * advantages * keep).sum()
 
 
 def policy_loss(
@@ -70,12 +96,11 @@ def policy_loss(
     denominator = n if total_tokens is None else total_tokens
     if denominator == 0:
         raise ValueError("no completion tokens in the batch")
-    ratio = torch.exp(logp_train - logp_infer)
+    loss = surrogate(logp_train, logp_infer, advantages, mask, config) / denominator
     with torch.no_grad():
-        extreme = (ratio > config.max_ratio) | (ratio < 1.0 / config.max_ratio)
+        extreme = extreme_tokens(logp_train, logp_infer, config)
         keep = mask & ~extreme
         k3 = mismatch_k3(logp_train.detach(), logp_infer)[mask]
-    loss = -(ratio * advantages * keep).sum() / denominator
     per_token = max(n, 1)  # n == 0: every metric is 0 (k3 >= 0), and weighs 0 in a token-weighted mean
     return LossOutput(
         loss=loss,

@@ -446,6 +446,7 @@ class Orchestrator:
                         "step": step, "reward": sum(s.reward for s in fresh) / len(fresh),
                         "k3_mean": metrics["mismatch_k3_mean"], "k3_max": metrics["mismatch_k3_max"],
                         "extreme_frac": metrics["extreme_frac"], "masked_frac": metrics["masked_frac"],
+                        "entropy": metrics["entropy_mean"],
                         "router_disagreement": metrics.get("router_disagreement"), "loss": metrics["loss"],
                         "gen_s": ro.generate_s, "score_s": ro.score_s, "train_s": metrics["train_s"],
                         "sync_s": sync_s, "wait_s": wait_s, "trainer_wait_s": metrics["wait_s"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import Batch
-from .loss import LossConfig, policy_loss, token_logprobs
+from .loss import LossConfig, policy_loss, token_entropy, token_logprobs
 from .run_dir import batch_path, metrics_path, weights_dir, write_atomic
 from .weight_lane import sync_dir, written_off
 
@@ -57,6 +58,7 @@ class TrainerSpec:
     fp8: bool = False
     max_grad_norm: float = 1.0
     context_parallel: int = 1  # TorchTitan's --parallelism.context_parallel_degree
+    loss_chunk_tokens: int = 0  # rl_loop.chunked_loss; 0: whole sequences
     poll_s: float = 0.05
 
     @classmethod
@@ -67,7 +69,8 @@ class TrainerSpec:
         return cls(model=cfg.model.arch, flavor=cfg.model.flavor, init_checkpoint=str(init_checkpoint),
                    steps=t.steps, lr=t.lr, replay=t.replay, max_ratio=t.max_ratio,
                    checkpoint_interval=t.checkpoint_interval, dispatcher=t.dispatcher, fp8=t.fp8,
-                   context_parallel=t.context_parallel, wire_dtype=cfg.model.inference_dtype,
+                   context_parallel=t.context_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
+                   wire_dtype=cfg.model.inference_dtype,
                    weight_lane=weight_lane, replica_tp=replica_tp)
 
     def save(self, run_dir: Path) -> None:
@@ -81,30 +84,50 @@ class TrainerSpec:
 
 
 def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, replay: bool,
-            total_tokens: int | None = None) -> dict:
+            total_tokens: int | None = None, loss_chunk_tokens: int = 0) -> dict:
     """Forward (replaying `batch.replay_ids` when `replay`), loss, backward. Returns metrics.
 
     Under context parallel the model trains on this rank's positions of every sequence
     (TorchTitan's layout, `sequence_shards`), padded first to 2 * cp equal chunks.
     `total_tokens` is the completion-token count of the whole batch (every data- and
     context-parallel rank's part), so the gradients FSDP sums across ranks equal the
-    single-process ones; "loss" is this rank's share of the batch loss.
+    single-process ones; "loss" is this rank's share of the batch loss. With
+    `loss_chunk_tokens`, the LM head and the loss run on chunks of about that many of this
+    rank's positions (`rl_loop.chunked_loss`; the sequence is padded to equal chunks).
     """
     from titan_ext.models.context_parallel import sequence_shards
     from titan_ext.replay import disagreement_by_layer, replay_routing, shard_replay_ids
 
+    from .chunked_loss import chunk_count, chunked_policy_loss
+
     shards = sequence_shards(model)
     seq = batch.mask.size(1)
-    if shards is not None:
-        batch = batch.padded(2 * shards.world)
+    world = 1 if shards is None else shards.world
+    multiple = 1 if shards is None else 2 * world
+    chunks = 1
+    if loss_chunk_tokens:
+        chunks = chunk_count(math.ceil(seq / multiple) * multiple // world, loss_chunk_tokens)
+        multiple *= chunks
+    batch = batch.padded(multiple)
     padding = (torch.arange(batch.mask.size(1)) >= seq).expand_as(batch.mask)
     part = (batch.tokens[:, :-1], batch.tokens[:, 1:], batch.mask, batch.logp_infer, padding)
     inputs, targets, mask, logp_infer, padding = part if shards is None else shards.shard(*part)
     replay_ids = shard_replay_ids(model, batch.replay_ids) if replay else None
     with replay_routing(model, replay_ids, padding) as routers:
-        logits = model(inputs)
-        logp = token_logprobs(logits, targets)
-        out = policy_loss(logp, logp_infer, batch.advantages, mask, loss_config, total_tokens)
+        if loss_chunk_tokens:
+            model._skip_lm_head = True  # TorchTitan's Decoder then returns the normed hidden states
+            try:
+                hidden = model(inputs)
+            finally:
+                model._skip_lm_head = False
+            out = chunked_policy_loss(hidden, model.lm_head, targets, logp_infer, batch.advantages, mask, loss_config,
+                                      total_tokens, chunks)
+        else:
+            logits = model(inputs)
+            out = policy_loss(token_logprobs(logits, targets), logp_infer, batch.advantages, mask, loss_config,
+                              total_tokens)
+            out.entropy_mean = (token_entropy(logits) * mask).sum().item() / max(out.num_tokens, 1)
+            del logits
         out.loss.backward()
     disagreement = [d for d in disagreement_by_layer(routers) if d is not None]
     return {
@@ -114,6 +137,7 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
         "mismatch_k3_max": out.k3_max,
         "extreme_frac": out.extreme_frac,
         "masked_frac": out.masked_frac,
+        "entropy_mean": out.entropy_mean,
         "router_disagreement": sum(disagreement) / len(disagreement) if disagreement else None,
     }
 
@@ -122,7 +146,7 @@ def reduce_metrics(local: dict, total_tokens: int) -> dict:
     """The batch loss (the sum of the ranks' shares), token-weighted means and the max of the
     per-rank mismatch metrics, over all ranks."""
     n = local["tokens"]
-    keys = ("mismatch_k3_mean", "extreme_frac", "masked_frac")
+    keys = ("mismatch_k3_mean", "extreme_frac", "masked_frac", "entropy_mean")
     sums = torch.tensor([local["loss"], *(local[k] * n for k in keys)], dtype=torch.float64)
     peak = torch.tensor([local["mismatch_k3_max"]])
     dist.all_reduce(sums)
@@ -317,7 +341,8 @@ def train(run_dir: Path) -> None:
         t0 = time.perf_counter()
         batch = Batch.from_dict(torch.load(path, weights_only=False))
         total = int(batch.mask.sum())
-        metrics = rl_step(model, batch.shard(dp_rank, dp), loss_config, replay=spec.replay, total_tokens=total)
+        metrics = rl_step(model, batch.shard(dp_rank, dp), loss_config, replay=spec.replay, total_tokens=total,
+                          loss_chunk_tokens=spec.loss_chunk_tokens)
         metrics.update(reduce_metrics(metrics, total))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
         trainer.optimizers.step()

@@ -13,6 +13,8 @@ import argparse
 import typing
 from dataclasses import dataclass, field, fields
 
+from torchtitan.components.loss import ChunkedLossWrapper
+
 from .models.builder import Dispatcher, configure_moe
 
 SECTION = "titan_ext"
@@ -27,6 +29,10 @@ class TitanExtOptions:
     fp8: bool = field(default=False, metadata={"help": (
         "routed and shared expert GEMMs in fp8 e4m3 with row-wise scales (titan_ext.models.fp8_experts); "
         "needs the lean or deepep dispatcher")})
+    loss_chunks: int = field(default=1, metadata={"help": (
+        "LM head and cross-entropy on this many pieces of the sequence (TorchTitan's ChunkedLossWrapper), "
+        "so [tokens, vocabulary] logits never exist at once; must divide each process's sequence length "
+        "(training.seq_len / context_parallel_degree); 1: whole-sequence logits")})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         flag = f"--{SECTION}.{f.name}"
         if hints[f.name] is bool:
             group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+        elif hints[f.name] is int:
+            group.add_argument(flag, dest=f.name, default=f.default, type=int, metavar="N",
+                               help=f"{f.metadata['help']} (default: {f.default})")
         else:
             group.add_argument(flag, dest=f.name, default=f.default, choices=typing.get_args(hints[f.name]) or None,
                                help=f"{f.metadata['help']} (default: {f.default})")
@@ -56,5 +65,9 @@ def options_help() -> str:
 
 
 def apply_options(config, options: TitanExtOptions) -> None:
-    """Build the Trainer.Config's model with `options` (a titan_ext model's config)."""
+    """Build the Trainer.Config's model and loss with `options` (a titan_ext model's config)."""
     configure_moe(config.model_spec.model, dispatcher=options.dispatcher, fp8=options.fp8)
+    if options.loss_chunks < 1:
+        raise ValueError(f"--{SECTION}.loss_chunks must be >= 1, got {options.loss_chunks}")
+    if options.loss_chunks > 1:
+        config.loss = ChunkedLossWrapper.Config(num_chunks=options.loss_chunks, loss_fn=config.loss)

@@ -128,3 +128,44 @@ def test_context_parallel_2_takes_the_one_process_step(tiny_checkpoint, tmp_path
         checked += int(firm.sum())
         assert ((w1 - w2).abs() * firm).max().item() <= ulp_tol(torch.float32, w1, 4), name
     assert checked > 0.5 * sum(w.numel() for w in original.values())
+
+
+def test_chunked_loss_takes_the_whole_sequence_steps(tiny_checkpoint, tmp_path):
+    """`--set train.loss_chunk_tokens=3` on two FSDP ranks: the LM head and the loss on chunks of 3 positions
+    (10 model inputs per sequence padded to 12) give the step of whole-sequence logits: the same loss, metrics
+    and updated weights at step 1, and the same run for 5 steps."""
+    ckpt = tiny_checkpoint("kimi_k2", 0.1)
+    model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
+    metrics, weights = {}, {}
+    for chunk in (0, 3):
+        sets = ["train.nproc=2", "train.steps=5", f"train.loss_chunk_tokens={chunk}", "model.inference_dtype=float32"]
+        cfg = RLConfig.from_toml(ROOT / "configs" / "tiny_kimi_k2.toml", parse_overrides(sets))
+        run = tmp_path / f"chunk{chunk}"
+        TrainerSpec.from_config(cfg, ckpt).save(run)
+        for step in range(1, 6):
+            _write_batch(run, step, model, arch, seed=10 + step, logp_noise=0.5)
+        proc = run_torchrun(2, "-m", "rl_loop.trainer", str(run))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[chunk] = [json.loads(metrics_path(run, s).read_text()) for s in range(1, 6)]
+        weights[chunk] = dict(read_fs(weights_dir(run, 1))[1])
+    keys = ("loss", "mismatch_k3_mean", "mismatch_k3_max", "entropy_mean", "grad_norm")
+    for step, (whole, chunked) in enumerate(zip(metrics[0], metrics[3]), 1):
+        assert whole["tokens"] == chunked["tokens"] == 20
+        assert (whole["masked_frac"], whole["extreme_frac"]) == (chunked["masked_frac"], chunked["extreme_frac"])
+        for key in keys:
+            # step 1: the two sum the same per-token terms in other orders (ulps at the metric's size); from
+            # step 2 on, AdamW has amplified the step-1 weights' last-bit differences where gradients are near
+            # its eps (below), so the runs agree to ~1e-5, where a lost or doubled chunk is off by its share
+            tol = ulp_tol(torch.float32, torch.tensor(max(1.0, abs(whole[key]))), 16) if step == 1 else 1e-4 * max(
+                1.0, abs(whole[key]))
+            assert abs(whole[key] - chunked[key]) <= tol, (step, key, whole[key], chunked[key])
+    assert metrics[0][0]["entropy_mean"] > 5.0, "a near-uniform tiny policy over 512 tokens"
+    # The step-1 weights wherever the gradient is far above AdamW's eps (|update| > 0.99 lr), as in the CP test.
+    original = load_file(ckpt / "model.safetensors")
+    checked = 0
+    for name, w0 in original.items():
+        w1, w2 = weights[0][name], weights[3][name]
+        firm = (w1 - w0).abs() > 0.99 * cfg.train.lr
+        checked += int(firm.sum())
+        assert ((w1 - w2).abs() * firm).max().item() <= ulp_tol(torch.float32, w1, 4), name
+    assert checked > 0.5 * sum(w.numel() for w in original.values())

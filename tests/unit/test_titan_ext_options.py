@@ -21,7 +21,22 @@ def test_flags_are_taken_out_and_the_rest_is_left_in_order():
     assert args == ["--training.steps", "3", "--parallelism.expert_parallel_degree=2"]
     args = ["--titan_ext.dispatcher=deepep"]
     assert take_options(args) == TitanExtOptions(dispatcher="deepep") and args == []
-    assert take_options([]) == TitanExtOptions(dispatcher="lean", fp8=False)
+    assert take_options([]) == TitanExtOptions(dispatcher="lean", fp8=False, loss_chunks=1)
+    assert take_options(["--titan_ext.loss_chunks", "8"]) == TitanExtOptions(loss_chunks=8)
+
+
+def test_loss_chunks_wrap_torchtitans_loss_and_zero_is_refused():
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    from titan_ext.options import apply_options
+    from titan_ext.train_config import trainer_config
+
+    config = trainer_config("kimi_k2", "tiny")
+    apply_options(config, TitanExtOptions(loss_chunks=4))
+    assert isinstance(config.loss, ChunkedLossWrapper.Config) and config.loss.num_chunks == 4
+    assert isinstance(config.loss.loss_fn, CrossEntropyLoss.Config)
+    with pytest.raises(ValueError, match="--titan_ext.loss_chunks must be >= 1, got 0"):
+        apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=0))
 
 
 def test_an_unknown_dispatcher_is_a_usage_error_naming_the_choices(capsys):
@@ -34,6 +49,7 @@ def test_an_unknown_dispatcher_is_a_usage_error_naming_the_choices(capsys):
 def test_help_lists_every_option():
     text = options_help()
     assert "--titan_ext.dispatcher {lean,torchtitan,deepep}" in text and "--titan_ext.fp8" in text
+    assert "--titan_ext.loss_chunks N" in text
 
 
 def _moe_layers(dispatcher, fp8):
