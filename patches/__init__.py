@@ -73,6 +73,7 @@ PATCH_MODULES = (
     "patches.torch_grouped_mm_meta_dtype",
     "patches.vllm_cpu_moe_reload_prepack",
     "patches.vllm_cpu_mla_rope",
+    "patches.vllm_cpu_portable_kernels",
     "patches.vllm_executor_reads_every_answer",
     # The tree's hooks: each module keeps its wrappers' logic and their records.
     "titan_ext.cli",

@@ -18,7 +18,8 @@ def register() -> None:
     """Install routing capture (engine side), the response fields (API side) and weight sync.
 
     Activates, before any model or executor is built in this process, the vLLM runtime
-    patches (`patches.vllm_cpu_mla_rope`, `patches.vllm_executor_reads_every_answer`), the
+    patches (`patches.vllm_cpu_mla_rope`, `patches.vllm_cpu_portable_kernels`,
+    `patches.vllm_executor_reads_every_answer`), the
     weight-sync hooks (`vllm_ext.weights`), the routing hooks (`vllm_ext.hooks`) and one
     wrapper per serving method for both (`vllm_ext.serving`). A required patch that no longer
     fits vLLM stops the process (`patches.PatchError`); a skipped optional one is counted in
@@ -31,7 +32,7 @@ def register() -> None:
         return
     _registered = True
     import patches
-    from patches import vllm_cpu_mla_rope, vllm_executor_reads_every_answer
+    from patches import vllm_cpu_mla_rope, vllm_cpu_portable_kernels, vllm_executor_reads_every_answer
 
     from . import hooks, serving
     from .metrics import patches_skipped
@@ -39,7 +40,7 @@ def register() -> None:
     from .weights import register as register_weights
 
     patches.on_skip(patches_skipped.inc)
-    patches.activate([vllm_cpu_mla_rope.PATCH, vllm_executor_reads_every_answer.PATCH])
+    patches.activate([vllm_cpu_mla_rope.PATCH, vllm_cpu_portable_kernels.PATCH, vllm_executor_reads_every_answer.PATCH])
     weights_on = register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
     routing_on = capture_enabled()
     if routing_on:

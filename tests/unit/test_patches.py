@@ -18,7 +18,7 @@ FIXES = [m for m in patches.PATCH_MODULES if m.startswith("patches.")]
 
 
 def test_every_fix_here_is_registered_and_documented():
-    assert len(FIXES) == 9
+    assert len(FIXES) == 10
     for m in FIXES:
         (p,) = importlib.import_module(m).PATCHES
         assert p.upstream and p.symptom and m == f"patches.{p.name}"
@@ -254,3 +254,20 @@ def test_patched_executor_reads_every_answer_before_raising():
     with pytest.raises(RuntimeError, match="'late'"):
         future.result()
     assert all(not mq.answers for mq in ex.response_mqs)
+
+
+def test_vllm_still_picks_cpu_kernels_by_asking_torch_for_amx():
+    """`vllm_cpu_portable_kernels` works by answering one question: vLLM's CPU kernel selection must still
+    ask `torch.cpu._is_amx_tile_supported()` (attention backend, MoE experts, paged attention ISA)."""
+    import inspect
+
+    import vllm.platforms.cpu as cpu_platform
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.v1.attention.backends import cpu_attn
+
+    from patches import vllm_cpu_portable_kernels as p
+
+    for module in (cpu_platform, cpu_moe, cpu_attn):
+        assert "torch.cpu._is_amx_tile_supported()" in inspect.getsource(module), module.__name__
+    assert p.PATCH.probe() is None
+    assert p._no_amx() is False
