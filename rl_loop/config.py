@@ -187,6 +187,9 @@ class TrainConfig:
         0, "LM head and loss on chunks of about this many of a trainer process's positions, never holding "
            "[tokens, vocabulary] logits (rl_loop/chunked_loss.py; as torchtitan train --titan_ext.loss_chunks); "
            "0: whole sequences", ge=0)
+    optimizer_offload: StrictBool = knob(
+        False, "AdamW's moments in host memory from each forward until the optimizer step (as torchtitan "
+               "train --titan_ext.optimizer_offload)")
     cpus: CpuList = knob(
         "auto",
         "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from torchtitan.components.loss import ChunkedLossWrapper
 
 from .models.builder import Dispatcher, configure_moe
+from .offload import OptimizerStateOffload
 
 SECTION = "titan_ext"
 
@@ -33,6 +34,9 @@ class TitanExtOptions:
         "LM head and cross-entropy on this many pieces of the sequence (TorchTitan's ChunkedLossWrapper), "
         "so [tokens, vocabulary] logits never exist at once; must divide each process's sequence length "
         "(training.seq_len / context_parallel_degree); 1: whole-sequence logits")})
+    optimizer_offload: bool = field(default=False, metadata={"help": (
+        "AdamW's moments in host memory from each forward until the optimizer step (titan_ext.offload), "
+        "so they never share the GPU with the activations")})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,3 +75,16 @@ def apply_options(config, options: TitanExtOptions) -> None:
         raise ValueError(f"--{SECTION}.loss_chunks must be >= 1, got {options.loss_chunks}")
     if options.loss_chunks > 1:
         config.loss = ChunkedLossWrapper.Config(num_chunks=options.loss_chunks, loss_fn=config.loss)
+    if options.optimizer_offload:
+        config.model_spec.post_optimizer_build_fn = _with_offload(config.model_spec.post_optimizer_build_fn)
+
+
+def _with_offload(post_build):
+    """The model spec's post-optimizer-build step, then the optimizer-state offload's hooks."""
+
+    def build(optimizers, model_parts, parallel_dims):
+        if post_build is not None:
+            post_build(optimizers, model_parts, parallel_dims)
+        OptimizerStateOffload(optimizers, model_parts)  # its hooks keep it
+
+    return build

@@ -44,18 +44,18 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="fp8 MoE experts, or bf16 with --no-fp8 (default: searched)")
     p.add_argument("--recipe", choices=tuple(RECIPES), default="titan_ext",
-                   help="memory techniques: titan_ext (what titan_ext and moerl's trainer run today: optimizer "
-                        "state on the GPU, whole-sequence loss, AC none|full) or prime_rl (its GLM-5 131k config: "
-                        "optimizer-state offload, 1024-token LM-head chunks, AC none|full|offload; planner-only "
-                        "here); the three flags below override it (default %(default)s)")
+                   help="memory techniques: titan_ext (what titan_ext and moerl's trainer run: optimizer-state "
+                        "offload, 1024-token LM-head + loss chunks, AC none|full) or prime_rl (its GLM-5 131k "
+                        "config: the same plus AC offload, planner-only here); the three flags below override it "
+                        "(default %(default)s)")
     p.add_argument("--ac", choices=AC_MODES,
                    help="activation checkpointing per layer; offload is planner-only "
                         "(default: searched over the recipe's)")
     p.add_argument("--loss-chunk", type=int, metavar="N",
-                   help="tokens per LM-head + loss chunk; 0: the whole local sequence, as moerl's trainer does; "
-                        "> 0 is planner-only (default: the recipe's)")
+                   help="tokens per LM-head + loss chunk (train.loss_chunk_tokens); 0: the whole local sequence "
+                        "(default: the recipe's)")
     p.add_argument("--optim-offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="AdamW moments in host memory between steps (planner-only) (default: the recipe's)")
+                   help="AdamW moments in host memory between steps (train.optimizer_offload) (default: the recipe's)")
     p.add_argument("--host-gbps", type=float, default=25.0,
                    help="GB/s per GPU between host and GPU, for --optim-offload (assumed) (default %(default)s)")
     p.add_argument("--internode-gbps", type=float, default=50.0,
@@ -103,7 +103,7 @@ def run_train(argv: list[str]) -> int:
         if not plan.fits(work):
             raise PlanError(f"{plan.layout.label()} needs {plan.memory.total / 1e9:.1f} GB per GPU, over the "
                             f"{work.gpu_bytes / 1e9:.0f} GB of one GPU: raise --cp or --ep, use --ac offload, "
-                            f"--loss-chunk or --optim-offload (planner-only), or leave the layout out to search")
+                            f"--loss-chunk or --optim-offload, or leave the layout out to search")
         plans, tried = [plan], 1
     else:
         plans, tried = search(work, rates, top=a.top, cp=a.cp, ep=a.ep, fsdp=a.fsdp, fp8=a.fp8, ac=a.ac,

@@ -19,13 +19,15 @@ class Recipe:
     ac_modes: tuple[str, ...]
 
 
-# titan_ext: what `torchtitan train --extension titan_ext` and moerl's trainer run today.
+# titan_ext: what `torchtitan train --extension titan_ext` and moerl's trainer run: optimizer-state
+# offload (--titan_ext.optimizer_offload, train.optimizer_offload) and 1024-token LM-head + loss
+# chunks (--titan_ext.loss_chunks, train.loss_chunk_tokens); AC none|full.
 # prime_rl: PrimeIntellect-ai/prime-rl examples/advanced/glm-5.2/swe-llmd.toml on top of its trainer
 # defaults (configs/trainer.py ModelConfig: optim_cpu_offload = True, fp32 optimization and reduce
 # dtypes): fused_lm_head_token_chunk_size = 1024, [trainer.model.ac] freq = 1 with
 # [trainer.model.ac_offloading] max_inflight_activations = 1.
 RECIPES = {
-    "titan_ext": Recipe(optim_offload=False, loss_chunk=0, ac_modes=("none", "full")),
+    "titan_ext": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=("none", "full")),
     "prime_rl": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=AC_MODES),
 }
 
@@ -115,8 +117,4 @@ def planner_only(layout: Layout, work: Workload) -> list[str]:
     out = []
     if layout.ac == "offload":
         out.append("AC offload (layer inputs to host memory; prime-rl model.ac_offloading)")
-    if work.optim_offload:
-        out.append("optimizer-state offload (AdamW moments on host between steps; prime-rl model.optim_cpu_offload)")
-    if work.loss_chunk:
-        out.append(f"chunked LM head + loss, {work.loss_chunk} tokens (prime-rl model.fused_lm_head_token_chunk_size)")
     return out

@@ -130,17 +130,19 @@ def test_context_parallel_2_takes_the_one_process_step(tiny_checkpoint, tmp_path
     assert checked > 0.5 * sum(w.numel() for w in original.values())
 
 
-def test_chunked_loss_takes_the_whole_sequence_steps(tiny_checkpoint, tmp_path):
+def test_chunked_loss_and_offloaded_moments_take_the_plain_steps(tiny_checkpoint, tmp_path):
     """`--set train.loss_chunk_tokens=3` on two FSDP ranks: the LM head and the loss on chunks of 3 positions
     (10 model inputs per sequence padded to 12) give the step of whole-sequence logits: the same loss, metrics
-    and updated weights at step 1, and the same run for 5 steps."""
+    and updated weights at step 1, and the same run for 5 steps. `--set train.optimizer_offload=true` (AdamW's
+    moments off the device from each forward to the step) gives the plain run bit for bit."""
     ckpt = tiny_checkpoint("kimi_k2", 0.1)
     model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
     metrics, weights = {}, {}
-    for chunk in (0, 3):
-        sets = ["train.nproc=2", "train.steps=5", f"train.loss_chunk_tokens={chunk}", "model.inference_dtype=float32"]
+    variants = {0: ["train.loss_chunk_tokens=0"], 3: ["train.loss_chunk_tokens=3"], "offload": ["train.optimizer_offload=true"]}
+    for chunk, variant in variants.items():
+        sets = ["train.nproc=2", "train.steps=5", "model.inference_dtype=float32", *variant]
         cfg = RLConfig.from_toml(ROOT / "configs" / "tiny_kimi_k2.toml", parse_overrides(sets))
-        run = tmp_path / f"chunk{chunk}"
+        run = tmp_path / f"run_{chunk}"
         TrainerSpec.from_config(cfg, ckpt).save(run)
         for step in range(1, 6):
             _write_batch(run, step, model, arch, seed=10 + step, logp_noise=0.5)
@@ -148,6 +150,10 @@ def test_chunked_loss_takes_the_whole_sequence_steps(tiny_checkpoint, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics[chunk] = [json.loads(metrics_path(run, s).read_text()) for s in range(1, 6)]
         weights[chunk] = dict(read_fs(weights_dir(run, 1))[1])
+        weights[chunk, 5] = dict(read_fs(weights_dir(run, 5))[1])
+    assert [{k: v for k, v in m.items() if not k.endswith("_s")} for m in metrics["offload"]] == [
+        {k: v for k, v in m.items() if not k.endswith("_s")} for m in metrics[0]]
+    assert all(torch.equal(w, weights["offload", 5][n]) for n, w in weights[0, 5].items())
     keys = ("loss", "mismatch_k3_mean", "mismatch_k3_max", "entropy_mean", "grad_norm")
     for step, (whole, chunked) in enumerate(zip(metrics[0], metrics[3]), 1):
         assert whole["tokens"] == chunked["tokens"] == 20
