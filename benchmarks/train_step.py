@@ -58,8 +58,8 @@ def _spread(tps: list[float]) -> dict | None:
             "max_minus_min_over_median": round((max(tps) - min(tps)) / med, 4)}
 
 
-def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int) -> dict:
-    """One `torchtitan train` run; per-step tokens/s and TorchTitan's tflops, from its log."""
+def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int, extra: tuple[str, ...] = ()) -> dict:
+    """One `torchtitan train` run (`extra`: more flags, last); per-step tokens/s and TorchTitan's tflops, from its log."""
     from titan_ext.train_config import local_assets
 
     assets = local_assets("kimi_k2")
@@ -68,7 +68,7 @@ def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_
            "--training.steps", str(steps), "--training.seq_len", str(seq_len),
            "--training.local_batch_size", str(batch), "--training.mixed_precision_param", "bfloat16",
            "--lr_scheduler.warmup_steps", "1", "--dump_folder", tempfile.mkdtemp(prefix="train_step_"),
-           *(["--titan_ext.fp8"] if fp8 else [])]
+           *(["--titan_ext.fp8"] if fp8 else []), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
