@@ -85,3 +85,15 @@ def test_moerl_rl_takes_the_same_choices_in_its_trainer_config():
     assert (RLConfig.from_toml(toml).train.dispatcher, RLConfig.from_toml(toml).train.fp8) == ("lean", False)
     with pytest.raises(ConfigError, match="train.dispatcher"):
         RLConfig.from_toml(toml, {"train.dispatcher": "nccl"})
+
+
+def test_loss_chunks_are_refused_where_fsdp2_cannot_run_them(monkeypatch):
+    """On torch without FSDP2's partial forward of the norm + LM-head unit (the H200's 2.11) the first backward
+    fails inside torch; the option is refused before anything is built, naming the version it needs."""
+    import titan_ext.options as options
+    from titan_ext.train_config import trainer_config
+
+    monkeypatch.setattr(options, "CHUNKED_LOSS_TORCH", "torch>=99")
+    with pytest.raises(ValueError, match=r"--titan_ext.loss_chunks 4: the chunked LM head \+ loss needs torch>=99 "
+                                         r"\(FSDP2 partial forward .*\); found torch 2\.\d+"):
+        options.apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=4))
