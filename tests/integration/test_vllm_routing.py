@@ -454,10 +454,21 @@ def test_kimi_k2_bf16_records_match_transformers(kimi_ckpt, servers):
     prompts = _prompts(8, 5, 20, 200)
     with cf.ThreadPoolExecutor(8) as ex:
         results = list(ex.map(lambda p: _complete(base, kimi_ckpt, p, 24), prompts))
-    # capture is exact whatever the batch: alone, the identical record
-    for p, (_, c, _t) in zip(prompts[:4], results[:4]):
-        alone = decode_record_b64(_complete(base, kimi_ckpt, p, 24)[1]["routed_experts"])
-        assert alone == decode_record_b64(c["routed_experts"])
+    # capture is right whatever the batch: a prompt served alone gets a record that also passes the check
+    # below. Not necessarily the identical record: bf16 GEMMs may block differently for other batch shapes
+    # (on AMX hosts torch's oneDNN kernels do), which moves near-tie rows; fp32 records are compared exactly
+    # (test_qwen3_moe_fp32_records_match_transformers).
+    alone_rows = alone_equal = 0
+    for p, (_, c, toks) in zip(prompts[:4], results[:4]):
+        _, solo, solo_toks = _complete(base, kimi_ckpt, p, 24)
+        alone = decode_record_b64(solo["routed_experts"])
+        f = follow_ties(ref, solo_toks, alone.expert_ids, alone.start, BF16_TIE)
+        assert not f.bad, "a prompt served alone: " + "\n".join(f.bad[:10])
+        batched = decode_record_b64(c["routed_experts"]).expert_ids
+        if solo_toks == toks:
+            alone_rows += batched.shape[0] * batched.shape[1]
+            alone_equal += int((alone.expert_ids == batched).all(-1).sum())
+    print(f"alone vs batched: {alone_equal} of {alone_rows} rows equal")
     for (_, c, toks), p in zip(results, prompts):
         assert c["prompt_token_ids"] == p
         rec = decode_record_b64(c["routed_experts"])
