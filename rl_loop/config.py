@@ -190,6 +190,9 @@ class TrainConfig:
     optimizer_offload: StrictBool = knob(
         False, "AdamW's moments in host memory from each forward until the optimizer step (as torchtitan "
                "train --titan_ext.optimizer_offload)")
+    activation_offload: StrictBool = knob(
+        False, "each transformer block's input in host memory from its forward to its backward (as torchtitan "
+               "train --titan_ext.activation_offload)")
     cpus: CpuList = knob(
         "auto",
         "CPU cores of the trainer, e.g. '0-1'; 'auto': the first half of the machine's cores when the "

@@ -17,7 +17,7 @@ import patches
 from torchtitan.components.loss import ChunkedLossWrapper
 
 from .models.builder import Dispatcher, configure_moe
-from .offload import OptimizerStateOffload
+from .offload import LayerInputOffload, OptimizerStateOffload
 
 SECTION = "titan_ext"
 
@@ -35,6 +35,9 @@ class TitanExtOptions:
         "LM head and cross-entropy on this many pieces of the sequence (TorchTitan's ChunkedLossWrapper), "
         "so [tokens, vocabulary] logits never exist at once; must divide each process's sequence length "
         "(training.seq_len / context_parallel_degree); 1: whole-sequence logits")})
+    activation_offload: bool = field(default=False, metadata={"help": (
+        "each transformer block's input (what activation checkpointing keeps) in host memory from the "
+        "block's forward until its backward (titan_ext.offload)")})
     optimizer_offload: bool = field(default=False, metadata={"help": (
         "AdamW's moments in host memory from each forward until the optimizer step (titan_ext.offload), "
         "so they never share the GPU with the activations")})
@@ -79,6 +82,19 @@ def apply_options(config, options: TitanExtOptions) -> None:
         config.loss = ChunkedLossWrapper.Config(num_chunks=options.loss_chunks, loss_fn=config.loss)
     if options.optimizer_offload:
         config.model_spec.post_optimizer_build_fn = _with_offload(config.model_spec.post_optimizer_build_fn)
+    if options.activation_offload:
+        config.model_spec.parallelize_fn = _with_layer_input_offload(config.model_spec.parallelize_fn)
+
+
+def _with_layer_input_offload(parallelize):
+    """The model spec's parallelize step, then the layer-input offload's hooks on every block."""
+
+    def build(model, **kwargs):
+        model = parallelize(model, **kwargs) or model
+        LayerInputOffload(list(model.layers.values()))  # its hooks keep it
+        return model
+
+    return build
 
 
 # TorchTitan shards the final norm and the LM head as one FSDP unit. The chunked loss runs the norm in

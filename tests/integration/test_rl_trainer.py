@@ -133,12 +133,14 @@ def test_context_parallel_2_takes_the_one_process_step(tiny_checkpoint, tmp_path
 def test_chunked_loss_and_offloaded_moments_take_the_plain_steps(tiny_checkpoint, tmp_path):
     """`--set train.loss_chunk_tokens=3` on two FSDP ranks: the LM head and the loss on chunks of 3 positions
     (10 model inputs per sequence padded to 12) give the step of whole-sequence logits: the same loss, metrics
-    and updated weights at step 1, and the same run for 5 steps. `--set train.optimizer_offload=true` (AdamW's
-    moments off the device from each forward to the step) gives the plain run bit for bit."""
+    and updated weights at step 1, and the same run for 5 steps. `--set train.optimizer_offload=true --set
+    train.activation_offload=true` (AdamW's moments off the device from each forward to the step, each block's
+    input from its forward to its backward) gives the plain run bit for bit."""
     ckpt = tiny_checkpoint("kimi_k2", 0.1)
     model, arch = load_hf_checkpoint(ckpt, "kimi_k2")
     metrics, weights = {}, {}
-    variants = {0: ["train.loss_chunk_tokens=0"], 3: ["train.loss_chunk_tokens=3"], "offload": ["train.optimizer_offload=true"]}
+    variants = {0: ["train.loss_chunk_tokens=0"], 3: ["train.loss_chunk_tokens=3"],
+                "offload": ["train.optimizer_offload=true", "train.activation_offload=true"]}
     for chunk, variant in variants.items():
         sets = ["train.nproc=2", "train.steps=5", "model.inference_dtype=float32", *variant]
         cfg = RLConfig.from_toml(ROOT / "configs" / "tiny_kimi_k2.toml", parse_overrides(sets))

@@ -88,11 +88,13 @@ def test_fsdp_two_processes_reduce_loss_with_whole_or_chunked_logits_and_offload
     """`--titan_ext.loss_chunks 3` (TorchTitan's ChunkedLossWrapper: LM head and cross-entropy on thirds of
     each 63-token sequence) trains as whole-sequence logits do: the same losses, to the log's 4 decimals at
     step 1 and within 1e-3 after AdamW has amplified the first steps' last-bit differences.
-    `--titan_ext.optimizer_offload` (AdamW's moments off the device between steps) changes no bit."""
+    `--titan_ext.optimizer_offload` with `--titan_ext.activation_offload` under full AC (AdamW's moments and each
+    block's checkpointed input off the device between their uses) changes no bit."""
     flags = ("--training.steps", "10", "--training.seq_len", "63", "--debug.seed", "0")  # the same initial weights
     losses = _train(tmp_path / "whole", 2, *flags)
     chunked = _train(tmp_path / "chunked", 2, *flags, "--titan_ext.loss_chunks", "3")
-    offloaded = _train(tmp_path / "offloaded", 2, *flags, "--titan_ext.optimizer_offload")
+    offloaded = _train(tmp_path / "offloaded", 2, *flags, "--titan_ext.optimizer_offload", "--titan_ext.activation_offload",
+                       "activation-checkpoint:full")
     assert offloaded == losses
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
     assert abs(chunked[0] - losses[0]) <= 1e-4 and max(abs(a - b) for a, b in zip(chunked, losses)) <= 1e-3, (
