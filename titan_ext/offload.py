@@ -1,20 +1,13 @@
-"""Optimizer-state offload: AdamW's moments live in host memory while the model runs forward and backward.
+"""Host memory for what a long-context step does not need on the GPU at the moment.
 
-At long context the activations of one layer's backward and the optimizer's state never need the
-GPU at the same time, yet by default both stay resident: AdamW's two fp32 moments are 8 bytes per
-parameter (43 GB for the 5.4e9 parameters of `kimi_k2 bench`). With `--titan_ext.optimizer_offload`
-the moments leave the GPU when the next forward starts (a forward pre-hook on each model part) and
-come back when the optimizer steps (a step pre-hook), so the step itself and everything that reads
-the state between steps (checkpoint saves, `state_dict()`) see ordinary device tensors.
+Two tenants, each exact (only where bytes live changes, never their values) and each moving a
+tensor's storage rather than the tensor, because the optimizer, FSDP2, the checkpointer and
+activation checkpointing hold references to the tensors themselves:
 
-How: each state tensor keeps its identity (the optimizer, FSDP2's DTensors and the checkpointer hold
-references to it); only its storage moves. The copy to host goes to a pinned buffer, made once per
-tensor, on a side stream that the forward does not wait for; the device storage is then resized to
-zero bytes, and the caching allocator reuses it once that copy is done (`record_stream`). The copy
-back is on the current stream right before the step. On a CPU device the same swap runs into plain
-host buffers: the storage really is released and restored, which is how the tests check it.
-What is not offloaded: the fp32 master weights and gradients (FSDP2 owns them) and AdamW's
-per-parameter `step` counters (host scalars already).
+* `OptimizerStateOffload` (`--titan_ext.optimizer_offload`): AdamW's moments, away from each
+  forward until the optimizer step;
+* `LayerInputOffload` (`--titan_ext.activation_offload`): each block's input, away from the end of
+  its forward until its backward.
 """
 
 from __future__ import annotations
@@ -32,7 +25,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class OptimizerStateOffload:
     """Moves every floating-point state tensor of `optimizers` to host memory before each forward of
-    `model_parts` and back before each `optimizers.step()`."""
+    `model_parts` and back before each `optimizers.step()`.
+
+    At long context the activations of one layer's backward and the optimizer's state never need the
+    GPU at the same time, yet by default both stay resident: AdamW's two fp32 moments are 8 bytes per
+    parameter (43 GB for the 5.4e9 parameters of `kimi_k2 bench`). With `--titan_ext.optimizer_offload`
+    the moments leave the GPU when the next forward starts (a forward pre-hook on each model part) and
+    come back when the optimizer steps (a step pre-hook), so the step itself and everything that reads
+    the state between steps (checkpoint saves, `state_dict()`) see ordinary device tensors.
+
+    How: each state tensor keeps its identity (the optimizer, FSDP2's DTensors and the checkpointer hold
+    references to it); only its storage moves. The copy to host goes to a pinned buffer, made once per
+    tensor, on a side stream that the forward does not wait for; the device storage is then resized to
+    zero bytes, and the caching allocator reuses it once that copy is done (`record_stream`). The copy
+    back is on the current stream right before the step. On a CPU device the same swap runs into plain
+    host buffers: the storage really is released and restored, which is how the tests check it.
+    What is not offloaded: the fp32 master weights and gradients (FSDP2 owns them) and AdamW's
+    per-parameter `step` counters (host scalars already).
+    """
 
     def __init__(self, optimizers: torch.optim.Optimizer, model_parts: list[torch.nn.Module]):
         # TorchTitan's OptimizersContainer steps the optimizers it holds; their state is the state
