@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from .chat_templates import TEMPLATES
+
 MODELS = ("kimi_k2", "glm5", "qwen3_moe")
 SERVED_WEIGHTS = ("trainer", "block-fp8-dequantized")  # rl_loop.mismatch.SERVED_WEIGHTS, without importing torch
 
@@ -60,7 +62,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     print(make_tiny_checkpoint(args.arch, args.out, dtype=args.dtype, init_scale=args.init_scale, seed=args.seed,
                                max_position_embeddings=args.max_position_embeddings, block_fp8=args.block_fp8,
-                               shards=args.shards, mtp=args.mtp))
+                               shards=args.shards, mtp=args.mtp, chat_template=args.chat_template,
+                               warm_start_steps=args.warm_start_steps))
     return 0
 
 
@@ -149,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--mtp", action="store_true",
                       help="add an MTP layer after the last decoder layer, as GLM-5's checkpoint has (titan_ext "
                            "skips it on load with a log line)")
+    tiny.add_argument("--chat-template", choices=sorted(TEMPLATES),
+                      help="the model family's special tokens and chat template in the tokenizer, its merges trained "
+                           "on conversations in that format (rl_loop/chat_templates.py)")
+    tiny.add_argument("--warm-start-steps", type=int, default=0, metavar="N",
+                      help="then N supervised steps on demonstrations in that format, half calling the tool "
+                           "(rl_loop/warm_start.py; needs --chat-template) (default %(default)s)")
     tiny.set_defaults(fn=cmd_make_tiny)
 
     from rl_loop.config import describe
