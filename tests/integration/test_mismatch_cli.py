@@ -33,12 +33,13 @@ def _mismatch(ckpt: Path, out_dir: Path, *args: str) -> subprocess.CompletedProc
 
 def _context_limit(ckpt: Path, out_dir: Path) -> list[subprocess.CompletedProcess]:
     """--max-tokens 300 (over; in its own directory "over"), then one more than the limit that
-    error names, then the limit."""
-    runs = [_mismatch(ckpt, out_dir / "over", "--num-samples", "4", "--max-tokens", "300")]
+    error names, then the limit: 16 fp32 samples that fill the context (the fp32 test reads them too)."""
+    samples = ("--num-samples", "16", "--dtype", "float32")  # the same prompts in all three
+    runs = [_mismatch(ckpt, out_dir / "over", *samples, "--max-tokens", "300")]
     m = re.search(r"at most (\d+)\n", runs[0].stderr)
     if m:
         fit = int(m[1])
-        runs += [_mismatch(ckpt, out_dir, "--num-samples", "4", "--max-tokens", str(n)) for n in (fit + 1, fit)]
+        runs += [_mismatch(ckpt, out_dir, *samples, "--max-tokens", str(n)) for n in (fit + 1, fit)]
     return runs
 
 
@@ -60,10 +61,8 @@ def runs(tiny_checkpoint, tmp_path_factory):
     # tiny Qwen3-MoE whose config declares a 256-token context (max_position_embeddings = 256)
     ctx256 = make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ctx256"), init_scale=0.1,
                                   max_position_embeddings=256)
-    dirs = {k: tmp_path_factory.mktemp(k) for k in ("fp32", "context", "broken", "fp8")}
+    dirs = {k: tmp_path_factory.mktemp(k) for k in ("context", "broken", "fp8")}
     jobs = {
-        "fp32": partial(_mismatch, tiny_checkpoint("qwen3_moe", 0.1), dirs["fp32"], "--num-samples", "16",
-                        "--max-tokens", "16", "--dtype", "float32"),
         "fp8": partial(_mismatch, tiny_checkpoint("kimi_k2", 0.1), dirs["fp8"], "--served-weights",
                        "block-fp8-dequantized", "--num-samples", "4", "--max-tokens", "8"),
         "context": partial(_context_limit, ctx256, dirs["context"]),
@@ -74,12 +73,13 @@ def runs(tiny_checkpoint, tmp_path_factory):
 
 
 def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(runs):
-    future, out_dir = runs["fp32"]
-    proc = future.result()
+    """The context test's last run: 16 fp32 samples of tiny Qwen3-MoE, each to the end of its 256 tokens."""
+    future, out_dir = runs["context"]
+    *_, proc = future.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out_dir / "mismatch.json").read_text())
     assert r["model"] == "qwen3_moe" and r["experts"] == 64 and r["top_k"] == 8
-    assert r["num_completions"] == 16 and r["completion_tokens_min"] == 16
+    assert r["num_completions"] == 16 and r["completion_tokens_min"] >= 200
     assert r["details"]["num_rejected"] == 0
     assert r["kl_no_replay"] < 1e-6 and r["kl_replay"] < 1e-6
     assert r["extreme_frac_no_replay"] == r["extreme_frac_replay"] == 0.0
@@ -105,7 +105,7 @@ def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(runs):
     assert over_by_one.returncode == 2 and f"at most {fit}\n" in over_by_one.stderr
     assert ok.returncode == 0, ok.stderr[-3000:]
     r = json.loads((out_dir / "mismatch.json").read_text())
-    assert r["num_completions"] == 4 and r["completion_tokens_min"] == fit
+    assert r["num_completions"] == 16 and r["completion_tokens_min"] == fit
     assert r["details"]["num_rejected"] == 0
 
 
