@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper
 
-from .loss import LossConfig, LossOutput, policy_loss, surrogate, token_entropy, token_logprobs
+from .loss import LossConfig, LossOutput, policy_loss, surrogate, token_logprobs_and_entropy
 
 
 def chunk_count(local_tokens: int, chunk_tokens: int) -> int:
@@ -46,9 +46,9 @@ class _SurrogateChunks(BaseLoss):
         self.entropy: list[torch.Tensor] = []
 
     def __call__(self, logits, labels, global_valid_tokens=None, *, logp_infer, advantages, mask):
-        logp = token_logprobs(logits, labels)
+        logp, entropy = token_logprobs_and_entropy(logits, labels)
         self.logp.append(logp.detach())
-        self.entropy.append(token_entropy(logits))
+        self.entropy.append(entropy)
         return surrogate(logp, logp_infer, advantages, mask, self.config) / self.denominator, {}
 
 

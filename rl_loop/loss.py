@@ -42,11 +42,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The policy's entropy at each position of `logits` ([B, S, V] -> [B, S], fp32, no gradient)."""
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` (with its gradient) and the policy's entropy at each position (fp32, no gradient),
+    from one log-softmax over the vocabulary."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
     with torch.no_grad():
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def mismatch_k3(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Tensor:
@@ -55,18 +57,18 @@ def mismatch_k3(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> torch.Ten
     return torch.expm1(d) - d
 
 
-def extreme_tokens(logp_train: torch.Tensor, logp_infer: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """Where p_train / p_infer is outside [1 / max_ratio, max_ratio] (no gradient)."""
+def extreme_tokens(ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Where `ratio` = p_train / p_infer is outside [1 / max_ratio, max_ratio] (no gradient)."""
     with torch.no_grad():
-        ratio = torch.exp(logp_train - logp_infer)
         return (ratio > config.max_ratio) | (ratio < 1.0 / config.max_ratio)
 
 
 def surrogate(logp_train: torch.Tensor, logp_infer: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               config: LossConfig) -> torch.Tensor:
     """The loss's numerator: -sum of ratio x advantage over the completion tokens that are not extreme."""
-    keep = mask.bool() & ~extreme_tokens(logp_train, logp_infer, config)
-    return -(torch.exp(logp_train - logp_infer) * advantages * keep).sum()
+    ratio = torch.exp(logp_train - logp_infer)
+    keep = mask.bool() & ~extreme_tokens(ratio, config)
+    return -(ratio * advantages * keep).sum()
 
 
 def policy_loss(
@@ -98,7 +100,7 @@ def policy_loss(
         raise ValueError("no completion tokens in the batch")
     loss = surrogate(logp_train, logp_infer, advantages, mask, config) / denominator
     with torch.no_grad():
-        extreme = extreme_tokens(logp_train, logp_infer, config)
+        extreme = extreme_tokens(torch.exp(logp_train - logp_infer), config)
         keep = mask & ~extreme
         k3 = mismatch_k3(logp_train.detach(), logp_infer)[mask]
     per_token = max(n, 1)  # n == 0: every metric is 0 (k3 >= 0), and weighs 0 in a token-weighted mean

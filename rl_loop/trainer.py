@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import Batch
-from .loss import LossConfig, policy_loss, token_entropy, token_logprobs
+from .loss import LossConfig, policy_loss, token_logprobs_and_entropy
 from .run_dir import batch_path, metrics_path, weights_dir, write_atomic
 from .weight_lane import sync_dir, written_off
 
@@ -126,11 +126,9 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
             out = chunked_policy_loss(hidden, model.lm_head, targets, logp_infer, batch.advantages, mask, loss_config,
                                       total_tokens, chunks)
         else:
-            logits = model(inputs)
-            out = policy_loss(token_logprobs(logits, targets), logp_infer, batch.advantages, mask, loss_config,
-                              total_tokens)
-            out.entropy_mean = (token_entropy(logits) * mask).sum().item() / max(out.num_tokens, 1)
-            del logits
+            logp, entropy = token_logprobs_and_entropy(model(inputs), targets)
+            out = policy_loss(logp, logp_infer, batch.advantages, mask, loss_config, total_tokens)
+            out.entropy_mean = (entropy * mask).sum().item() / max(out.num_tokens, 1)
         out.loss.backward()
     disagreement = [d for d in disagreement_by_layer(routers) if d is not None]
     return {

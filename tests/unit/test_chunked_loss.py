@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl_loop.chunked_loss import chunk_count, chunked_policy_loss
-from rl_loop.loss import LossConfig, policy_loss, token_entropy, token_logprobs
+from rl_loop.loss import LossConfig, policy_loss, token_logprobs, token_logprobs_and_entropy
 from tests.conftest import ulp_tol
 
 B, S, D, V = 2, 21, 16, 37
@@ -28,9 +28,9 @@ def _inputs(seed: int):
 
 def _whole(hidden, head, targets, logp_infer, advantages, mask):
     h = hidden.clone().requires_grad_(True)
-    logits = head(h)
-    out = policy_loss(token_logprobs(logits, targets), logp_infer, advantages, mask, LossConfig(), total_tokens=40)
-    out.entropy_mean = (token_entropy(logits) * mask).sum().item() / out.num_tokens
+    logp, entropy = token_logprobs_and_entropy(head(h), targets)
+    out = policy_loss(logp, logp_infer, advantages, mask, LossConfig(), total_tokens=40)
+    out.entropy_mean = (entropy * mask).sum().item() / out.num_tokens
     out.loss.backward()
     return out, h.grad, head.weight.grad
 
@@ -62,3 +62,12 @@ def test_chunks_must_divide_the_sequence_and_count_tokens():
     assert [chunk_count(n, 1024) for n in (1, 1024, 1025, 32768)] == [1, 1, 2, 32]
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         chunk_count(10, 0)
+
+
+def test_logprobs_and_entropy_share_one_softmax_and_match_their_definitions():
+    hidden, head, targets, *_ = _inputs(2)
+    logits = head(hidden)
+    logp, entropy = token_logprobs_and_entropy(logits, targets)
+    assert torch.equal(logp, token_logprobs(logits, targets)) and logp.requires_grad and not entropy.requires_grad
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.allclose(entropy, -(probs * probs.log()).sum(-1), rtol=1e-5)
