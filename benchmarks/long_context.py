@@ -7,7 +7,8 @@ with one set of flags:
 * ``none``: whole-sequence logits, AdamW state on the GPU, TorchTitan's default (selective) AC;
 * ``loss_chunks``: + `--titan_ext.loss_chunks` (chunks of at most 8192 positions);
 * ``loss_chunks+offload``: + `--titan_ext.optimizer_offload`;
-* ``loss_chunks+offload+full_ac``: + TorchTitan's full activation checkpointing.
+* ``loss_chunks+offload+full_ac``: + TorchTitan's full activation checkpointing, with the
+  checkpointed layer inputs in host memory (`--titan_ext.activation_offload`).
 
 Each technique climbs its own ladder of lengths and stops at its first failure, so the JSON holds
 the longest length that trained and the one that did not (with the reason: out of memory, or the
@@ -30,8 +31,8 @@ TECHNIQUES = {
     "none": ([], (24576, 32768)),
     "loss_chunks": (["loss_chunks"], (24576, 49152, 65536)),
     "loss_chunks+offload": (["loss_chunks", "--titan_ext.optimizer_offload"], (24576, 65536, 98304)),
-    "loss_chunks+offload+full_ac": (["loss_chunks", "--titan_ext.optimizer_offload", "activation-checkpoint:full"],
-                                    (24576, 98304, 131072)),
+    "loss_chunks+offload+full_ac": (["loss_chunks", "--titan_ext.optimizer_offload", "--titan_ext.activation_offload",
+                                     "activation-checkpoint:full"], (24576, 98304, 131072)),
 }
 
 

@@ -7,7 +7,8 @@ def test_each_technique_adds_its_flags_with_the_ac_subcommand_last():
     assert flags(TECHNIQUES["none"][0], 24576) == ()
     assert flags(TECHNIQUES["loss_chunks"][0], 65536) == ("--titan_ext.loss_chunks", "8")
     assert flags(TECHNIQUES["loss_chunks+offload+full_ac"][0], 131072) == (
-        "--titan_ext.loss_chunks", "16", "--titan_ext.optimizer_offload", "activation-checkpoint:full")
+        "--titan_ext.loss_chunks", "16", "--titan_ext.optimizer_offload", "--titan_ext.activation_offload",
+        "activation-checkpoint:full")
     assert len({ladder[0] for _, ladder in TECHNIQUES.values()}) == 1, "one common length for the cost ratios"
 
 
