@@ -79,6 +79,7 @@ PATCH_MODULES = (
     "titan_ext.cli",
     "titan_ext.teardown",
     "titan_ext.train_config",
+    "vllm_ext.dsa.backend",
     "vllm_ext.hooks",
     "vllm_ext.serving",
     "vllm_ext.weights.api",

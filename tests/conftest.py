@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from vllm_ext.api import moe_layer_indices
 from vllm_ext.routing.record import decode_record_b64
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,3 +183,81 @@ def reference_record(base_url: str, model: str, ids: list[int], salt: str) -> np
         return rec.expert_ids[: len(ids) - 1]
 
     return asyncio.run(one())
+
+
+class HFReference:
+    """Top-k expert ids from transformers' own routers, per MoE layer."""
+
+    def __init__(self, path: Path, dtype: str):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.torch = torch
+        self.config = AutoConfig.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self.layers = moe_layer_indices(self.config)
+        self.gates = [self.model.model.layers[i].mlp.gate for i in self.layers]
+
+    def routing(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [T, L, K] sorted, scores [T, L, E] used for the choice, fp32)."""
+        torch = self.torch
+        got_ids, got_scores = {}, {}
+        hooks = []
+        for j, g in enumerate(self.gates):
+            def hook(mod, inp, out, j=j):
+                logits = out[0].float()
+                if hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3 / Kimi: sigmoid + bias
+                    scores = logits.sigmoid() + mod.e_score_correction_bias.float()
+                else:  # Qwen3-MoE: softmax (monotone in logits)
+                    scores = logits.softmax(-1)
+                got_scores[j] = scores.numpy()
+                got_ids[j] = out[2].numpy()
+            hooks.append(g.register_forward_hook(hook))
+        try:
+            with torch.no_grad():
+                self.model(torch.tensor([tokens[:-1]]), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        ids = np.sort(np.stack([got_ids[j] for j in range(len(self.gates))], axis=1), axis=-1)
+        scores = np.stack([got_scores[j] for j in range(len(self.gates))], axis=1)
+        return ids, scores
+
+
+@contextmanager
+def transformers_dsa_indexer_as_vllm(model) -> Iterator[None]:
+    """The indexers of a transformers GLM-5 `model` ranking keys as vLLM does (fp8 keys and queries,
+    `vllm_ext.dsa.ops`) instead of in the model's dtype: the reference that isolates everything but
+    the indexer's numerics. Single-sequence forwards without a cache, as the tests run them."""
+    import types
+
+    import torch
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    from vllm_ext.dsa import ops
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+                past_key_values=None):
+        assert hidden_states.shape[0] == 1 and past_key_values is None, "batch 1, use_cache=False"
+        seq = hidden_states.shape[1]
+        rope, rest = self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(1, seq, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([rope, rest], -1), k.split([rope, rest], -1)
+        q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+        q, k = torch.cat([q_rot, q_pass], -1)[0], torch.cat([k_rot, k_pass], -1)[0, :, 0]
+        k_fp8, k_scale = ops.quantize_index_keys(k)
+        picked = ops.rank_keys(q, self.weights_proj(hidden_states)[0], k_fp8, k_scale, torch.arange(seq),
+                               self.index_topk, self.softmax_scale)
+        # transformers scatters the indices into a mask; an empty slot (-1) repeats key 0, always selected
+        return picked.clamp_min(0)[None]
+
+    indexers = [m for m in model.modules() if isinstance(m, hf.GlmMoeDsaIndexer)]
+    assert indexers, "not a GLM-5 (glm_moe_dsa) model"
+    for m in indexers:
+        m.forward = types.MethodType(forward, m)
+    try:
+        yield
+    finally:
+        for m in indexers:
+            del m.forward

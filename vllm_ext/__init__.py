@@ -35,12 +35,14 @@ def register() -> None:
     from patches import vllm_cpu_mla_rope, vllm_cpu_portable_kernels, vllm_executor_reads_every_answer
 
     from . import hooks, serving
+    from .dsa import backend as dsa_backend
     from .metrics import patches_skipped
     from .routing.capture import capture_enabled
     from .weights import register as register_weights
 
     patches.on_skip(patches_skipped.inc)
-    patches.activate([vllm_cpu_mla_rope.PATCH, vllm_cpu_portable_kernels.PATCH, vllm_executor_reads_every_answer.PATCH])
+    patches.activate([vllm_cpu_mla_rope.PATCH, vllm_cpu_portable_kernels.PATCH, vllm_executor_reads_every_answer.PATCH,
+                      *dsa_backend.PATCHES])
     weights_on = register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
     routing_on = capture_enabled()
     if routing_on:

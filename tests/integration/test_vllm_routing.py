@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 
 from rl_loop.replicas import start_replica, stop_replica, wait_healthy
+from tests.conftest import HFReference
 from tests.ports import free_port
-from vllm_ext.api import moe_layer_indices
 from vllm_ext.routing.record import RoutingRecord, decode_record_b64
 
 pytestmark = pytest.mark.slow
@@ -82,45 +82,6 @@ def post(base: str, path: str, body: dict, stream: bool = False):
 
 
 # ---------------------------------------------------------------- reference
-
-
-class HFReference:
-    """Top-k expert ids from transformers' own routers, per MoE layer."""
-
-    def __init__(self, path: Path, dtype: str):
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        self.torch = torch
-        self.config = AutoConfig.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-        self.layers = moe_layer_indices(self.config)
-        self.gates = [self.model.model.layers[i].mlp.gate for i in self.layers]
-
-    def routing(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(ids [T, L, K] sorted, scores [T, L, E] used for the choice, fp32)."""
-        torch = self.torch
-        got_ids, got_scores = {}, {}
-        hooks = []
-        for j, g in enumerate(self.gates):
-            def hook(mod, inp, out, j=j):
-                logits = out[0].float()
-                if hasattr(mod, "e_score_correction_bias"):  # DeepSeek-V3 / Kimi: sigmoid + bias
-                    scores = logits.sigmoid() + mod.e_score_correction_bias.float()
-                else:  # Qwen3-MoE: softmax (monotone in logits)
-                    scores = logits.softmax(-1)
-                got_scores[j] = scores.numpy()
-                got_ids[j] = out[2].numpy()
-            hooks.append(g.register_forward_hook(hook))
-        try:
-            with torch.no_grad():
-                self.model(torch.tensor([tokens[:-1]]))
-        finally:
-            for h in hooks:
-                h.remove()
-        ids = np.sort(np.stack([got_ids[j] for j in range(len(self.gates))], axis=1), axis=-1)
-        scores = np.stack([got_scores[j] for j in range(len(self.gates))], axis=1)
-        return ids, scores
 
 
 def tie_margin(logits: np.ndarray, bias: np.ndarray, chosen: set[int], k: int) -> float:

@@ -108,6 +108,9 @@ class MLAMoEArch:
                 index_n_heads=self.index_n_heads,
                 index_head_dim=self.index_head_dim,
                 index_topk=self.index_topk,
+                # GLM-5's published config: transformers' indexer always rotates interleaved, vLLM's
+                # only with this key (it would otherwise take the half-split rope)
+                indexer_rope_interleave=True,
             )
         cfg.update(self.extra_hf)
         return cfg

@@ -49,7 +49,7 @@ FLAVORS: dict[str, MLAMoEArch] = {
         max_seq_len=4096,
         norm_eps=1e-5,
         index_n_heads=8,
-        index_head_dim=32,
+        index_head_dim=128,  # vLLM's indexer-key cache stores keys in blocks of 128 (one fp32 scale each)
         index_topk=8,
     ),
 }
