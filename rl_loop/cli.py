@@ -96,9 +96,15 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
         served_weights=args.served_weights))
     print(f"{r['name']} (served: {r['served_weights']}): {r['num_completions']} completions, "
           f"k3 mean {r['kl_no_replay']:.3e} -> {r['kl_replay']:.3e} "
-          f"with replay (floor {r['kl_floor']:.3e}), max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}, "
+          f"with replay{_indexer_row(r, 'kl_replay_indexer_fp8')} (floor {r['kl_floor']:.3e}), "
+          f"max {r['kl_max_no_replay']:.3e} -> {r['kl_max_replay']:.3e}{_indexer_row(r, 'kl_max_replay_indexer_fp8')}, "
           f"extreme {r['extreme_frac_no_replay']:.2e} -> {r['extreme_frac_replay']:.2e}; written to {args.json_out}")
     return 0
+
+
+def _indexer_row(report: dict, key: str) -> str:
+    """A DSA model's figure with its indexer ranking as vLLM's, after the replay one."""
+    return f" -> {report[key]:.3e} with the fp8 indexer" if key in report else ""
 
 
 def positive_int(text: str) -> int:

@@ -187,6 +187,10 @@ class TrainConfig:
         0, "LM head and loss on chunks of about this many of a trainer process's positions, never holding "
            "[tokens, vocabulary] logits (rl_loop/chunked_loss.py; as torchtitan train --titan_ext.loss_chunks); "
            "0: whole sequences", ge=0)
+    indexer_fp8: StrictBool = knob(
+        True, "a DSA model's (GLM-5) indexer ranks keys from fp8 queries and keys as vLLM's indexer does, so "
+              "the trainer attends to the keys the sampler attended to (torchtitan train --titan_ext.indexer_fp8); "
+              "no effect on other models")
     optimizer_offload: StrictBool = knob(
         False, "AdamW's moments in host memory from each forward until the optimizer step (as torchtitan "
                "train --titan_ext.optimizer_offload)")

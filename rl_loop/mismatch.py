@@ -253,6 +253,8 @@ def _routing_stats(differs: list[torch.Tensor], masks: list[torch.Tensor]) -> di
 
 def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_size: int) -> tuple[dict, int]:
     """All figures for `samples` (each with tokens, vLLM logprobs and a routing record)."""
+    from titan_ext.models.glm5.dsa import set_indexer_fp8_ranking
+
     by_len: dict[int, list[Sample]] = defaultdict(list)
     for s in samples:
         by_len[len(s.prompt_ids) + len(s.completion_ids)].append(s)
@@ -273,6 +275,8 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
 
     fp32_own = trainer_pass(model, batches, replay=False)
     fp32_replay = trainer_pass(model, batches, replay=True)
+    # a DSA model (GLM-5): once more with its indexer ranking as vLLM's (fp8), which the floor keeps
+    matched = trainer_pass(model, batches, replay=True) if set_indexer_fp8_ranking(model, True) else None
     bf16_model = bf16_params_copy(model)
     bf16_replay = trainer_pass(bf16_model, batches, replay=True)
     del bf16_model
@@ -283,11 +287,15 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
     n_tok = torch.tensor([b.tokens[:, :-1].numel() for b in batches], dtype=torch.float64)
     per_batch = torch.tensor(fp32_replay.replay_disagreement, dtype=torch.float64)  # [batches, L]
     replay["router_disagreement_titan_ext"] = ((per_batch * n_tok[:, None]).sum(0) / n_tok.sum()).tolist()
-    floor = _k3_stats(comp(fp32_replay), comp(bf16_replay))  # fp32 trainer vs its own bf16 twin
+    best = matched or fp32_replay
+    floor = _k3_stats(comp(best), comp(bf16_replay))  # fp32 trainer vs its own bf16 twin
     floor_routing = _routing_stats(bf16_replay.differs, masks)
+    indexer = {} if matched is None else {
+        "replay_indexer_fp8": {**_k3_stats(comp(matched), infer), **_routing_stats(matched.differs, masks)}}
     return {
         "no_replay": no_replay,
         "replay": replay,
+        **indexer,
         "floor": {**floor, "bf16_router_disagreement": floor_routing["router_disagreement"],
                   "bf16_tokens_any_layer_differs": floor_routing["tokens_any_layer_differs"]},
         "num_completion_tokens": int(infer.numel()),
@@ -357,6 +365,9 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
         "completion_tokens_min": min(lengths),
         "completion_tokens_mean": sum(lengths) / len(lengths),
         "temperature": cfg.temperature,
+        **({} if "replay_indexer_fp8" not in figures else {
+            "kl_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_mean"],
+            "kl_max_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_max"]}),
         "kl_no_replay": nr["kl_mean"],
         "kl_replay": r["kl_mean"],
         "kl_max_no_replay": nr["kl_max"],

@@ -59,6 +59,7 @@ class TrainerSpec:
     max_grad_norm: float = 1.0
     context_parallel: int = 1  # TorchTitan's --parallelism.context_parallel_degree
     loss_chunk_tokens: int = 0  # rl_loop.chunked_loss; 0: whole sequences
+    indexer_fp8: bool = True  # titan_ext.models.glm5.dsa: rank keys as vLLM's indexer
     optimizer_offload: bool = False  # titan_ext.offload
     activation_offload: bool = False  # titan_ext.offload
     poll_s: float = 0.05
@@ -72,7 +73,8 @@ class TrainerSpec:
                    steps=t.steps, lr=t.lr, replay=t.replay, max_ratio=t.max_ratio,
                    checkpoint_interval=t.checkpoint_interval, dispatcher=t.dispatcher, fp8=t.fp8,
                    context_parallel=t.context_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
-                   optimizer_offload=t.optimizer_offload, activation_offload=t.activation_offload,
+                   indexer_fp8=t.indexer_fp8, optimizer_offload=t.optimizer_offload,
+                   activation_offload=t.activation_offload,
                    wire_dtype=cfg.model.inference_dtype,
                    weight_lane=weight_lane, replica_tp=replica_tp)
 
@@ -282,7 +284,7 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
     if spec.context_parallel > 1:
         check_context_parallel(spec.model)
     cfg.parallelism.context_parallel_degree = spec.context_parallel
-    apply_options(cfg, TitanExtOptions(dispatcher=spec.dispatcher, fp8=spec.fp8,
+    apply_options(cfg, TitanExtOptions(dispatcher=spec.dispatcher, fp8=spec.fp8, indexer_fp8=spec.indexer_fp8,
                                        optimizer_offload=spec.optimizer_offload,
                                        activation_offload=spec.activation_offload))
     cfg.hf_assets_path = spec.init_checkpoint

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
+from .models.builder import configure_indexer
 from .models.block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Config, BlockFp8Error, check_scale, dequantize, scale_shape
 from .models.state_dict_adapter import CheckpointMismatchError
 
@@ -184,8 +185,9 @@ def dequantized_copy(src: str | Path, out: str | Path, dtype: torch.dtype = torc
     return out
 
 
-def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
-    """Build the titan_ext model (fp32) described by the checkpoint and load its weights.
+def load_hf_checkpoint(ckpt_dir: str | Path, model: str, *, indexer_fp8: bool = False):
+    """Build the titan_ext model (fp32) described by the checkpoint and load its weights; with
+    `indexer_fp8`, a DSA model's indexer ranks keys as vLLM's does (`configure_indexer`).
 
     Returns (model, arch). Shapes are checked before any tensor is read, so a wrong
     checkpoint fails fast with the names of what is missing, extra or mis-shaped.
@@ -193,6 +195,7 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: str):
     ckpt_dir = Path(ckpt_dir)
     arch = read_arch(ckpt_dir, model)
     spec = spec_from_arch(model, "checkpoint", arch)
+    configure_indexer(spec.model, fp8_ranking=indexer_fp8)
     with torch.device("meta"):
         meta_model = spec.model.build()
     adapter = spec.state_dict_adapter(spec.model, None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 import patches
 from torchtitan.components.loss import ChunkedLossWrapper
 
-from .models.builder import Dispatcher, configure_moe
+from .models.builder import Dispatcher, configure_indexer, configure_moe
 from .offload import LayerInputOffload, OptimizerStateOffload
 
 SECTION = "titan_ext"
@@ -38,6 +38,9 @@ class TitanExtOptions:
     activation_offload: bool = field(default=False, metadata={"help": (
         "each transformer block's input (what activation checkpointing keeps) in host memory from the "
         "block's forward until its backward (titan_ext.offload)")})
+    indexer_fp8: bool = field(default=False, metadata={"help": (
+        "GLM-5's DSA indexer ranks keys from fp8 queries and keys as vLLM's indexer does (vllm_ext.dsa.ops), "
+        "so training attends to the keys inference selected; RL turns it on (train.indexer_fp8)")})
     optimizer_offload: bool = field(default=False, metadata={"help": (
         "AdamW's moments in host memory from each forward until the optimizer step (titan_ext.offload), "
         "so they never share the GPU with the activations")})
@@ -75,6 +78,7 @@ def options_help() -> str:
 def apply_options(config, options: TitanExtOptions) -> None:
     """Build the Trainer.Config's model and loss with `options` (a titan_ext model's config)."""
     configure_moe(config.model_spec.model, dispatcher=options.dispatcher, fp8=options.fp8)
+    configure_indexer(config.model_spec.model, fp8_ranking=options.indexer_fp8)
     if options.loss_chunks < 1:
         raise ValueError(f"--{SECTION}.loss_chunks must be >= 1, got {options.loss_chunks}")
     if options.loss_chunks > 1:

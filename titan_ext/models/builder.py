@@ -170,6 +170,15 @@ def configure_moe(model_cfg, *, dispatcher: Dispatcher = "lean", fp8: bool = Fal
                 moe.shared_experts = derive(moe.shared_experts, Fp8FeedForward.Config)
 
 
+def configure_indexer(model_cfg, *, fp8_ranking: bool) -> None:
+    """Make every DSA layer's indexer of a built model config rank keys in fp8 as vLLM's does
+    (`LightningIndexer.Config.fp8_ranking`), or in the model's dtype."""
+    for layer in model_cfg.layers:
+        indexer = getattr(layer.attention, "indexer", None)
+        if indexer is not None:
+            indexer.fp8_ranking = fp8_ranking
+
+
 def _with_indexer(attn, arch: MLAMoEArch, init_std: float) -> DSAAttention.Config:
     if arch.q_lora_rank == 0:
         raise ValueError("the DSA indexer reads the q latent: q_lora_rank must be > 0")

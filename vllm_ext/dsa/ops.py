@@ -43,6 +43,15 @@ def quantize_index_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (q / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(-1)
 
 
+def as_vllm_indexer_sees(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries `[..., H, D]` and keys `[..., D]` as vLLM's indexer ranks them, in fp32: fp8 values
+    times their power-of-two scales (exact). Any indexer that scores `relu(q . k)` in fp32 on these
+    ranks keys as vLLM does, up to the order of its fp32 sums."""
+    q_fp8, q_scale = quantize_index_queries(q)
+    k_fp8, k_scale = quantize_index_keys(k)
+    return q_fp8.float() * q_scale[..., None], k_fp8.float() * k_scale[..., None]
+
+
 def index_logits(q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor,
                  k_scale: torch.Tensor) -> torch.Tensor:
     """Logits `[M, N]` of queries `[M, H, D]` (fp8, their scales folded into `weights [M, H]`) against

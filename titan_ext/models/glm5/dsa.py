@@ -42,6 +42,8 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.nn_modules import LayerNorm
 from torchtitan.protocols.module import Module
 
+from vllm_ext.dsa.ops import as_vllm_indexer_sees
+
 from ..context_parallel import chunks, flat_segments, segment_positions
 from ..matmul import bmm_fp32
 from ..mla import MLAttention
@@ -63,6 +65,9 @@ class LightningIndexer(Module):
         # selection keeps a running top-k over key chunks, never a [queries, S] logits row block.
         query_chunk: int = 1024
         key_chunk: int = 4096
+        # Rank keys from fp8 queries and keys as vLLM's indexer does (`vllm_ext.dsa.ops`), so the
+        # trainer attends to the keys the sampler attended to (`configure_indexer`).
+        fp8_ranking: bool = False
 
     def __init__(self, config: Config):
         super().__init__()
@@ -72,6 +77,7 @@ class LightningIndexer(Module):
         self.topk = config.topk
         self.query_chunk = config.query_chunk
         self.key_chunk = config.key_chunk
+        self.fp8_ranking = config.fp8_ranking
         init = config.linear_init
         self.wq_b = Linear.Config(
             in_features=config.q_lora_rank, out_features=config.n_heads * config.head_dim, param_init=init
@@ -81,6 +87,9 @@ class LightningIndexer(Module):
             normalized_shape=config.head_dim, eps=1e-6, param_init={"weight": nn.init.ones_, "bias": nn.init.zeros_}
         ).build()
         self.weights_proj = Linear.Config(in_features=config.dim, out_features=config.n_heads, param_init=init).build()
+        # Frozen, as it runs without gradients: an optimizer then keeps no state for it, the same in a
+        # checkpoint as in a resumed run (which would otherwise expect AdamW moments it never made).
+        self.requires_grad_(False)
 
     @torch.no_grad()
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions):
@@ -105,6 +114,8 @@ class LightningIndexer(Module):
         `segments` (`context_parallel.flat_segments`) give the queries' global positions. Causal:
         later keys score -inf, so a query selects one only when it has fewer than `topk` keys to
         choose from (the attention ignores those)."""
+        if self.fp8_ranking:
+            q, k = as_vllm_indexer_sees(q, k)
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         topk = min(self.topk, k.size(1))
@@ -114,6 +125,14 @@ class LightningIndexer(Module):
         """`[B, S, min(topk, S)]` key indices for a whole (unsharded) sequence."""
         q, k, weights = self.project(x, q_latent, rope, positions)
         return self.select(q, k, weights, [0, 0, x.size(1)])
+
+
+def set_indexer_fp8_ranking(model: nn.Module, on: bool) -> int:
+    """Switch the indexers of a built model to (or from) vLLM's fp8 ranking; how many it has."""
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    for m in indexers:
+        m.fp8_ranking = on
+    return len(indexers)
 
 
 @torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
