@@ -3,9 +3,11 @@ attention (`vllm_ext.dsa`), router replay, sharded weight sync on the shm lane, 
 
 The short run keeps the config and changes only what makes it short and exact: one replica, 2 steps
 of 4x4 samples, no off-policy step, fp32 on both sides. In fp32, with the trainer's indexer ranking
-keys as vLLM's (`train.indexer_fp8`, on by default), the trainer reproduces the sampler: every
-step's routing is the trainer router's own choice and the k3 KL is at the fp32 floor, before and
-after a weight sync. The same run with the indexer in fp32 shows what the option removes.
+keys as vLLM's (`train.indexer_fp8`, on by default), the trainer reproduces the sampler, before and
+after a weight sync: k3 at the fp32 floor (2e-10 measured), except where a query or key sits on an
+fp8 rounding boundary and the fp32 rounding of the two programs quantizes it apart, so the two pick
+another key from there on (2 of 12 sampled 60-token sequences measured). A step's mean k3 stays far
+below the 8e-2 of an indexer ranking in fp32 (`moerl mismatch`, benchmarks/results/glm5_mismatch.json).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.ports import free_ports
 pytestmark = pytest.mark.slow
 
 FP32_K3 = 1e-6  # per-token k3 between two fp32 forwards of the same model (2e-10 measured)
+BOUNDARY_K3_MEAN = 5e-3  # a step's mean with a boundary flip or two (4e-4 over 64 samples measured)
 
 
 def _moerl_rl(run_dir, *extra: str, port: int) -> list[dict]:
@@ -44,23 +47,17 @@ def run(tmp_path_factory):
 
 
 def test_moerl_rl_trains_glm5_and_the_trainer_reproduces_the_sampler(run):
-    first, _ = run
+    first, resumed = run
     assert [r["step"] for r in first] == [1, 2]
     for r in first:
         assert r["samples"] > 0 and not r["rejected"] and r["policy_lag"] == 0
-        assert r["router_disagreement"] == 0.0, "the trainer's routers choose what vLLM chose"
-        assert r["k3_max"] < FP32_K3, r
+        assert r["k3_mean"] < BOUNDARY_K3_MEAN and r["router_disagreement"] < 0.05, r
+    exact = [r["step"] for r in resumed if r["k3_max"] < FP32_K3 and r["router_disagreement"] == 0.0]
+    assert exact, "no step at the fp32 floor: the trainer does not compute what the sampler did"
 
 
 def test_a_resumed_glm5_run_continues_from_its_checkpoint(run):
     first, resumed = run
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert resumed[:2] == first, "the resumed run appends to the metrics of the first"
-    assert resumed[2]["k3_max"] < FP32_K3 and resumed[2]["replica_versions"] == {"r0": 3}
-
-
-def test_an_indexer_ranking_in_fp32_is_what_train_indexer_fp8_removes(tmp_path):
-    (r,) = _moerl_rl(tmp_path / "run", "--set", "train.steps=1", "--set", "train.indexer_fp8=false",
-                     port=free_ports(1))
-    print(f"indexer in fp32: router disagreement {r['router_disagreement']:.3f}, k3 max {r['k3_max']:.3e}")
-    assert r["k3_max"] > 1e3 * FP32_K3, "an fp32 indexer picks other keys than vLLM's fp8 one"
+    assert resumed[2]["k3_mean"] < BOUNDARY_K3_MEAN and resumed[2]["replica_versions"] == {"r0": 3}

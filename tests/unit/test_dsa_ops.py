@@ -65,3 +65,24 @@ def test_sparse_attention_equals_dense_attention_masked_to_the_selected_keys():
 def test_attention_keeps_the_query_dtype(dtype):
     q, kv = torch.randn(2, 2, 8, dtype=dtype), torch.randn(2, 3, 8, dtype=dtype)
     assert ops.sparse_mla_attend(q, kv, torch.ones(2, 3, dtype=torch.bool), 1.0, 4).dtype == dtype
+
+
+def test_titan_ext_indexer_with_fp8_ranking_selects_what_vllm_selects():
+    """The trainer's chunked indexer (running top-k over key chunks) on vLLM's fp8 inputs picks the
+    keys `rank_keys` picks, ties included: most keys score 0 for a query whose heads ReLU zeroes."""
+    from titan_ext.models.glm5.dsa import indexer_topk
+
+    gen = torch.Generator().manual_seed(2)
+    seq, heads, topk = 40, 4, 8
+    q, k = torch.randn(seq, heads, 128, generator=gen), torch.randn(seq, 128, generator=gen)
+    q[::3] = -q[::3].abs()  # every third query: most keys score exactly 0 after the ReLU
+    k = k.abs()
+    w = torch.rand(seq, heads, generator=gen)
+    k_fp8, k_scale = ops.quantize_index_keys(k)
+    want = ops.rank_keys(q, w, k_fp8, k_scale, torch.arange(seq), topk, softmax_scale=128 ** -0.5)
+    qd, kd = ops.as_vllm_indexer_sees(q, k)
+    got = indexer_topk(qd[None], kd[None], w[None] * heads ** -0.5, topk, [0, 0, seq], 16, 8, 128 ** -0.5,
+                       earliest_ties=True)[0]
+    for m in range(seq):
+        chosen = [i for i in want[m].tolist() if i >= 0]
+        assert got[m, : len(chosen)].tolist() == chosen, f"query {m}"

@@ -119,7 +119,8 @@ class LightningIndexer(Module):
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         topk = min(self.topk, k.size(1))
-        return indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5)
+        return indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5,
+                            self.fp8_ranking)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
         """`[B, S, min(topk, S)]` key indices for a whole (unsharded) sequence."""
@@ -138,7 +139,7 @@ def set_indexer_fp8_ranking(model: nn.Module, on: bool) -> int:
 @torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
 def indexer_topk(
     q_BLHD: torch.Tensor, k_BSD: torch.Tensor, w_BLH: torch.Tensor, topk: int, segments: list[int],
-    query_chunk: int, key_chunk: int, scale: float,
+    query_chunk: int, key_chunk: int, scale: float, earliest_ties: bool = False,
 ) -> torch.Tensor:
     """The indexer's scoring and top-k: `[B, L, topk]` indices into the keys.
 
@@ -154,18 +155,23 @@ def indexer_topk(
     out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=q_BLHD.device)
     for l0, l1, g0 in chunks(segments, query_chunk):
         kend = min(k_BSD.size(1), max(g0 + l1 - l0, topk))
-        out[:, l0:l1] = _chunk_topk(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, topk, key_chunk, scale)
+        out[:, l0:l1] = _chunk_topk(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, topk, key_chunk, scale,
+                                    earliest_ties)
     return out
 
 
 @indexer_topk.register_fake
-def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale):
+def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale, earliest_ties=False):
     return q_BLHD.new_empty(*q_BLHD.shape[:2], topk, dtype=torch.long)
 
 
-def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale: float) -> torch.Tensor:
+def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale: float,
+                earliest_ties: bool = False) -> torch.Tensor:
     """Top-k keys of `c` consecutive queries at global positions g0.. over keys `k_BTD` (a running
-    top-k across key chunks; a single chunk is a plain top-k)."""
+    top-k across key chunks; a single chunk is a plain top-k). With `earliest_ties`, equal scores
+    go to the earlier key, as in vLLM's (`vllm_ext.dsa.ops.causal_topk`): fp8 scores tie often
+    (every key a query's ReLU zeroes scores 0). A stable sort keeps that across chunks: the running
+    best holds only earlier keys, listed before the new chunk's."""
     bsz, c = q_BCHD.shape[:2]
     kernels = _indexer_kernels() if q_BCHD.is_cuda else None
     scores = kernels.index_scores if kernels is not None and kernels.supported(q_BCHD) else _index_scores
@@ -175,7 +181,11 @@ def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale:
         keys = torch.arange(t0, t0 + index_scores.size(-1), device=k_BTD.device).expand(bsz, c, -1)
         if best_v is not None:
             index_scores, keys = torch.cat([best_v, index_scores], -1), torch.cat([best_i, keys], -1)
-        best_v, j = index_scores.topk(min(topk, index_scores.size(-1)), dim=-1)
+        k = min(topk, index_scores.size(-1))
+        if earliest_ties:
+            best_v, j = (t[..., :k] for t in torch.sort(index_scores, dim=-1, descending=True, stable=True))
+        else:
+            best_v, j = index_scores.topk(k, dim=-1)
         best_i = keys.gather(-1, j)
     return best_i
 
