@@ -372,9 +372,10 @@ class Orchestrator:
             raise FileExistsError(f"{self.run_dir} holds a previous run: use --resume or another run_dir")
         init = self.init_checkpoint()
         tokenizer = AutoTokenizer.from_pretrained(str(init))
-        from titan_ext.checkpoint import read_arch
+        from titan_ext.checkpoint import checkpoint_tensors, read_arch
 
         arch = read_arch(init, self.cfg.model.arch)
+        checkpoint_tensors(init)  # every shard's header: a damaged or missing file stops the run here
         context = checkpoint_context(init)
         if self.cfg.rollout.max_tokens >= context:  # refused before the trainer or any server starts
             raise ValueError(f"rollout.max_tokens {self.cfg.rollout.max_tokens} leaves no room for a prompt in the "

@@ -14,12 +14,13 @@ host memory holds the model plus at most one shard.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .models import ARCHS, Arch, arch_from_hf_config, get_arch, spec_from_arch, state_dict_adapter_cls
@@ -75,6 +76,23 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
+class CheckpointFileError(ValueError):
+    """A safetensors file of the checkpoint cannot be read (truncated, damaged, not safetensors)."""
+
+
+@contextmanager
+def open_shard(path: Path):
+    """`safe_open` of one checkpoint file; a file safetensors cannot read is a `CheckpointFileError`
+    naming it (safetensors' own message names no file)."""
+    try:
+        handle = safe_open(str(path), "pt")
+    except SafetensorError as exc:
+        raise CheckpointFileError(f"{path}: damaged or truncated safetensors file ({exc}); "
+                                  "copy or export the checkpoint again") from None
+    with handle as h:
+        yield h
+
+
 def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint with its file, dtype and shape, from the headers only.
 
@@ -95,7 +113,7 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
             raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir}")
     out: dict[str, TensorInfo] = {}
     for f in files:
-        with safe_open(str(f), "pt") as h:
+        with open_shard(f) as h:
             for k in h.keys():
                 if weight_map and weight_map.get(k) != f.name:
                     continue
@@ -141,7 +159,7 @@ def read_weight(handle, name: str, tensors: dict[str, TensorInfo], quant: BlockF
     if tensors[scale_name].file == tensors[name].file:
         scale = handle.get_tensor(scale_name)
     else:
-        with safe_open(str(tensors[scale_name].file), "pt") as other:
+        with open_shard(tensors[scale_name].file) as other:
             scale = other.get_tensor(scale_name)
     check_scale(name, tuple(t.shape), scale, quant.block)
     return dequantize(t, scale, quant.block, dtype)
@@ -159,10 +177,10 @@ def iter_checkpoint(ckpt_dir: str | Path, names: Iterable[str] | None = None, dt
     quant = checkpoint_quantization(ckpt_dir)
     wanted = set(logical_shapes(tensors, quant) if names is None else names)
     for f in sorted({tensors[n].file for n in wanted}):
-        with safe_open(str(f), "pt") as h:
+        with open_shard(f) as h:
             in_shard = [name for name in h.keys() if name in wanted and tensors[name].file == f]
         for name in in_shard:
-            with safe_open(str(f), "pt") as h:
+            with open_shard(f) as h:
                 weight = read_weight(h, name, tensors, quant, dtype)
             yield name, weight
 

@@ -50,6 +50,9 @@ def check_parity(
     ckpt_dir: str | Path, model: str, *, seq_len: int = 64, batch: int = 2, tolerance: float = 1e-4, seed: int = 0
 ) -> ParityReport:
     titan_model, arch = load_hf_checkpoint(ckpt_dir, model)
+    if not 0 < seq_len <= arch.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len}: the checkpoint's context is {arch.max_seq_len} tokens "
+                         f"(max_position_embeddings in {Path(ckpt_dir) / 'config.json'}); use 1..{arch.max_seq_len}")
     if checkpoint_quantization(ckpt_dir) is None:
         ref, reference = _reference(ckpt_dir), REFERENCE_PLAIN
     else:

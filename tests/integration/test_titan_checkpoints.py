@@ -103,3 +103,20 @@ def test_checkpoint_of_another_model_is_refused(tiny_checkpoint):
     assert code == 2 and "GlmMoeDsaForCausalLM" in stderr
     code, stderr = _check_parity(tiny_checkpoint("qwen3_moe"), "kimi_k2")
     assert code == 2 and "Qwen3MoeForCausalLM" in stderr
+
+
+def test_a_truncated_or_damaged_file_and_a_length_past_the_context_are_one_line(tiny_checkpoint, tmp_path):
+    import shutil
+
+    src = tiny_checkpoint("glm5")
+    for damage in ("truncated", "not safetensors"):
+        bad = tmp_path / damage.replace(" ", "_")
+        shutil.copytree(src, bad)
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\0" * 64)
+        code, stderr = _check_parity(bad, "glm5")
+        assert code == 2 and "Traceback" not in stderr, stderr
+        assert f"{bad / 'model.safetensors'}: damaged or truncated safetensors file" in stderr
+    context = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    code, stderr = _check_parity(src, "glm5", "--seq-len", str(context + 1))
+    assert code == 2 and "Traceback" not in stderr and f"context is {context} tokens" in stderr, stderr
