@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backend import (
@@ -37,6 +38,7 @@ from vllm.v1.attention.backend import (
     MLAAttentionImpl,
 )
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 import patches
 
@@ -68,6 +70,11 @@ class CpuDSAMetadata(AttentionMetadata):
 
 class CpuDSAMetadataBuilder(AttentionMetadataBuilder[CpuDSAMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        """The base's (vLLM declares `__init__` abstract)."""
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CpuDSAMetadata:
