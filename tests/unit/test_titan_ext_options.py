@@ -97,3 +97,18 @@ def test_loss_chunks_are_refused_where_fsdp2_cannot_run_them(monkeypatch):
     with pytest.raises(ValueError, match=r"--titan_ext.loss_chunks 4: the chunked LM head \+ loss needs torch>=99 "
                                          r"\(FSDP2 partial forward .*\); found torch 2\.\d+"):
         options.apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=4))
+
+
+def test_indexer_fp8_reaches_every_glm5_indexer_and_rl_turns_it_on():
+    from types import SimpleNamespace
+
+    from rl_loop.config import RLConfig
+    from tests.conftest import ROOT
+    from titan_ext.options import apply_options
+
+    for flag in (False, True):
+        cfg = SimpleNamespace(model_spec=SimpleNamespace(model=build_model_config(get_arch("glm5", "tiny"))))
+        apply_options(cfg, take_options(["--titan_ext.indexer_fp8"] if flag else []))
+        indexers = [layer.attention.indexer for layer in cfg.model_spec.model.layers]
+        assert indexers and all(i.fp8_ranking is flag for i in indexers)
+    assert RLConfig.from_toml(ROOT / "configs/tiny_glm5.toml").train.indexer_fp8 is True
