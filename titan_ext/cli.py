@@ -22,11 +22,9 @@ from . import hookspecs
 from .teardown import DESTROY_TOGETHER, exit_without_finalizing, together_on_destroy
 
 
-class ExtensionError(SystemExit):
-    """A user error in extension/model/flavor selection: printed, exit code 2."""
-
-    def __init__(self, message: str):
-        super().__init__(f"torchtitan: error: {message}")
+class ExtensionError(Exception):
+    """A user error (extension, model, flavor, options, the checkpoint to start from): `main` prints
+    it in one line and exits with code 2."""
 
 
 def available_extensions() -> dict[str, object]:
@@ -125,7 +123,14 @@ def _print_launcher_help(pm: pluggy.PluginManager) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _main(list(sys.argv[1:] if argv is None else argv))
+    except ExtensionError as e:
+        print(f"torchtitan: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main(args: list[str]) -> None:
     if not args or args[0] in HELP_FLAGS or args[0] not in ("train", "list"):
         print(USAGE, file=sys.stderr if args and args[0] not in HELP_FLAGS else sys.stdout)
         raise SystemExit(0 if args and args[0] in HELP_FLAGS else 2)
@@ -157,9 +162,23 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         apply_options(config, take_options(args))
-    except ValueError as e:
+        _check_hf_initial_checkpoint(args)
+    except (ValueError, FileNotFoundError) as e:
         raise ExtensionError(str(e)) from None
     _run_torchtitan(args, config=config)
+
+
+def _check_hf_initial_checkpoint(args: list[str]) -> None:
+    """An HF checkpoint to start from (`--checkpoint.initial_load_path DIR --checkpoint.initial_load_in_hf`)
+    has every shard's header read first: a damaged, truncated or missing file is one line here, not
+    a traceback from inside TorchTitan's checkpoint reader on every rank."""
+    if "--checkpoint.initial_load_in_hf" not in args:
+        return
+    path = _take(list(args), "--checkpoint.initial_load_path")
+    if path is not None:
+        from .checkpoint import checkpoint_tensors
+
+        checkpoint_tensors(path)
 
 
 def _default_single_process_env() -> None:

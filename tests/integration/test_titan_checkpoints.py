@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,13 @@ def test_a_truncated_or_damaged_file_and_a_length_past_the_context_are_one_line(
         code, stderr = _check_parity(bad, "glm5")
         assert code == 2 and "Traceback" not in stderr, stderr
         assert f"{bad / 'model.safetensors'}: damaged or truncated safetensors file" in stderr
+    train = subprocess.run([str(Path(sys.executable).with_name("torchtitan")), "train", "--extension", "titan_ext",
+                            "--model", "glm5",
+                            "--flavor", "tiny", "--checkpoint.enable", "--checkpoint.initial_load_path", str(bad),
+                            "--checkpoint.initial_load_in_hf", "--training.steps", "1",
+                            "--dump_folder", str(tmp_path / "out")], capture_output=True, text=True)
+    assert train.returncode == 2 and "Traceback" not in train.stderr, train.stderr[-2000:]
+    assert "damaged or truncated safetensors file" in train.stderr
     context = json.loads((src / "config.json").read_text())["max_position_embeddings"]
     code, stderr = _check_parity(src, "glm5", "--seq-len", str(context + 1))
     assert code == 2 and "Traceback" not in stderr and f"context is {context} tokens" in stderr, stderr
