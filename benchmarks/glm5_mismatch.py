@@ -7,7 +7,9 @@ the rows of the report, over the same completions:
 * `no_replay`: the fp32 trainer with its own routing and its indexer ranking in fp32;
 * `replay`: vLLM's routing replayed, the indexer still in fp32;
 * `replay_indexer_fp8`: replayed routing, the indexer ranking as vLLM's (fp8, `train.indexer_fp8`);
-* `floor`: that last trainer against its own bf16 twin (the numerics no routing or key fix removes).
+* `floor`: that last trainer against its own bf16 twin (the numerics no routing or key fix removes);
+* `indexer_keys_differ`: the fraction of (token, indexer layer) pairs whose selected key set differs
+  from the fp8 ranking's (vLLM's numerics), for the indexer in fp32 and for the bf16 twin.
 
 A fourth row, replaying the indexer's selected keys, needs the keys in the routing record, which it
 does not carry (docs/glm5.md).
@@ -39,6 +41,11 @@ def rows(r: dict) -> dict:
             for name in ("no_replay", "replay", "replay_indexer_fp8", "floor")}
 
 
+def key_sets(r: dict) -> dict:
+    """Fractions of (token, indexer layer) pairs whose selected keys differ from the fp8 ranking's."""
+    return r["details"]["indexer_keys_differ"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-samples", type=int, default=64)
@@ -60,7 +67,7 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         r = json.loads(json_out.read_text())
-        runs[name] = {"rows": rows(r), "wall_s": round(time.perf_counter() - t0, 1),
+        runs[name] = {"rows": rows(r), "indexer_keys_differ": key_sets(r), "wall_s": round(time.perf_counter() - t0, 1),
                       "command": " ".join(cmd).replace(str(ROOT) + "/", ""), "report": r}
         print(f"{name}: " + ", ".join(f"{k} {v['kl_mean']:.2e}" for k, v in runs[name]["rows"].items()))
     out = Path(args.out)

@@ -240,6 +240,13 @@ def _k3_stats(logp_train: torch.Tensor, logp_infer: torch.Tensor) -> dict:
     }
 
 
+def _sets_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    from titan_ext.models.glm5.dsa import key_sets_differ
+
+    differ = torch.cat([key_sets_differ(x, y).reshape(-1) for x, y in zip(a, b, strict=True)])
+    return differ.double().mean().item()
+
+
 def _routing_stats(differs: list[torch.Tensor], masks: list[torch.Tensor]) -> dict:
     all_rows = torch.cat([d.reshape(-1, d.shape[-1]) for d in differs])  # every fed token
     comp_rows = torch.cat([d[m] for d, m in zip(differs, masks)])  # fed tokens that predict completion tokens
@@ -253,7 +260,7 @@ def _routing_stats(differs: list[torch.Tensor], masks: list[torch.Tensor]) -> di
 
 def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_size: int) -> tuple[dict, int]:
     """All figures for `samples` (each with tokens, vLLM logprobs and a routing record)."""
-    from titan_ext.models.glm5.dsa import set_indexer_fp8_ranking
+    from titan_ext.models.glm5.dsa import recorded_selections, set_indexer_fp8_ranking
 
     by_len: dict[int, list[Sample]] = defaultdict(list)
     for s in samples:
@@ -274,11 +281,14 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
         return torch.cat([lp[m] for lp, m in zip(res.logp, masks)])
 
     fp32_own = trainer_pass(model, batches, replay=False)
-    fp32_replay = trainer_pass(model, batches, replay=True)
+    with recorded_selections(model) as own_keys:
+        fp32_replay = trainer_pass(model, batches, replay=True)
     # a DSA model (GLM-5): once more with its indexer ranking as vLLM's (fp8), which the floor keeps
-    matched = trainer_pass(model, batches, replay=True) if set_indexer_fp8_ranking(model, True) else None
+    with recorded_selections(model) as vllm_keys:
+        matched = trainer_pass(model, batches, replay=True) if set_indexer_fp8_ranking(model, True) else None
     bf16_model = bf16_params_copy(model)
-    bf16_replay = trainer_pass(bf16_model, batches, replay=True)
+    with recorded_selections(bf16_model) as bf16_keys:
+        bf16_replay = trainer_pass(bf16_model, batches, replay=True)
     del bf16_model
 
     no_replay = {**_k3_stats(comp(fp32_own), infer), **_routing_stats(fp32_own.differs, masks)}
@@ -291,7 +301,10 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
     floor = _k3_stats(comp(best), comp(bf16_replay))  # fp32 trainer vs its own bf16 twin
     floor_routing = _routing_stats(bf16_replay.differs, masks)
     indexer = {} if matched is None else {
-        "replay_indexer_fp8": {**_k3_stats(comp(matched), infer), **_routing_stats(matched.differs, masks)}}
+        "replay_indexer_fp8": {**_k3_stats(comp(matched), infer), **_routing_stats(matched.differs, masks)},
+        # (token, indexer layer) pairs whose key set differs from the fp8 ranking's (vLLM's numerics)
+        "indexer_keys_differ": {"model_dtype": _sets_differ(own_keys, vllm_keys),
+                                "bf16_twin": _sets_differ(bf16_keys, vllm_keys)}}
     return {
         "no_replay": no_replay,
         "replay": replay,
@@ -367,7 +380,8 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
         "temperature": cfg.temperature,
         **({} if "replay_indexer_fp8" not in figures else {
             "kl_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_mean"],
-            "kl_max_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_max"]}),
+            "kl_max_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_max"],
+            "indexer_keys_differ": figures["indexer_keys_differ"]}),
         "kl_no_replay": nr["kl_mean"],
         "kl_replay": r["kl_mean"],
         "kl_max_no_replay": nr["kl_max"],

@@ -86,3 +86,13 @@ def test_titan_ext_indexer_with_fp8_ranking_selects_what_vllm_selects():
     for m in range(seq):
         chosen = [i for i in want[m].tolist() if i >= 0]
         assert got[m, : len(chosen)].tolist() == chosen, f"query {m}"
+
+
+def test_key_sets_compare_as_sets_of_the_keys_a_query_may_see():
+    from titan_ext.models.glm5.dsa import key_sets_differ
+
+    a = torch.tensor([[[0, 5, 9], [1, 0, 7], [2, 1, 0]]])  # queries 0..2; a pick past the query is an empty slot
+    b = torch.tensor([[[0, 3, 4], [0, 1, 2], [0, 2, 1]]])
+    assert key_sets_differ(a, b).tolist() == [[False, False, False]]
+    b[0, 2] = torch.tensor([0, 1, 1])
+    assert key_sets_differ(a, b).tolist() == [[False, False, True]]

@@ -76,3 +76,20 @@ def test_bf16_twin_keeps_complex_buffers(tiny_checkpoint):
 def test_default_prompts_are_distinct_and_seeded():
     a = default_prompts(64, 0)
     assert len(set(a)) == 64 and a == default_prompts(64, 0) and a != default_prompts(64, 1)
+
+
+def test_a_dsa_model_gets_the_fp8_indexer_row_and_its_key_set_differences(tiny_checkpoint):
+    """The sampler stand-in ranks keys with vLLM's fp8 numerics (the trainer with `indexer_fp8`):
+    the fp8-indexer row is exact, the model-dtype rows are not, and their key sets differ."""
+    from titan_ext.models.glm5.dsa import set_indexer_fp8_ranking
+
+    ckpt = tiny_checkpoint("glm5", 0.1)
+    sampler, arch = load_hf_checkpoint(ckpt, "glm5", indexer_fp8=True)
+    samples = _self_samples(sampler, arch, n=4, prompt=24, completion=12)
+    model, _ = load_hf_checkpoint(ckpt, "glm5")
+    figures, _ = measure(model, samples, ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts),
+                         pad_id=2, batch_size=2)
+    assert figures["replay_indexer_fp8"]["kl_max"] < 1e-9 < figures["replay"]["kl_max"]
+    differ = figures["indexer_keys_differ"]
+    assert 0.0 < differ["model_dtype"] < 1.0 and 0.0 <= differ["bf16_twin"] < 1.0
+    assert set_indexer_fp8_ranking(model, False) == arch.n_layers  # every layer has an indexer

@@ -30,7 +30,9 @@ and the sparse attention take the queries' global positions as `segments` and ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -134,6 +136,38 @@ def set_indexer_fp8_ranking(model: nn.Module, on: bool) -> int:
     for m in indexers:
         m.fp8_ranking = on
     return len(indexers)
+
+
+@contextlib.contextmanager
+def recorded_selections(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Every selection the model's indexers make while the context is open, in call order
+    (`[B, L, k]` key positions per call): what `moerl mismatch` compares between two rankings."""
+    picks: list[torch.Tensor] = []
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+
+    def recording(select):
+        def select_and_record(q, k, weights, segments):
+            out = select(q, k, weights, segments)
+            picks.append(out)
+            return out
+
+        return select_and_record
+
+    for m in indexers:
+        m.select = recording(m.select)
+    try:
+        yield picks
+    finally:
+        for m in indexers:
+            del m.select
+
+
+def key_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[B, L]` True where two selections `[B, L, k]` of an unsharded sequence (query l at position l)
+    pick different sets of the keys each query may see (a pick past the query is an empty slot)."""
+    pos = torch.arange(a.shape[1], device=a.device)[None, :, None]
+    a, b = (torch.where(t <= pos, t, -1).sort(-1).values for t in (a, b))
+    return (a != b).any(-1)
 
 
 @torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
