@@ -17,15 +17,14 @@ A tiny fp32 GLM-5 checkpoint (`make_tiny_checkpoint("glm5")`: indexer top-k 8, s
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 
 import numpy as np
 import pytest
 
 from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
 from tests.conftest import HFReference, transformers_dsa_indexer_as_vllm
+from tests.integration.test_vllm_routing import post
 from tests.ports import free_port
 from vllm_ext.routing.record import decode_record_b64
 
@@ -56,10 +55,7 @@ def _serve(checkpoint, log_dir, tensor_parallel: int = 1) -> list[tuple[list[int
         for prompt in prompts:
             body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
                     "prompt_logprobs": 0, "return_token_ids": True}
-            req = urllib.request.Request(replica.base_url + "/v1/completions", json.dumps(body).encode(),
-                                         {"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                out.append((prompt, json.loads(resp.read())["choices"][0]))
+            out.append((prompt, post(replica.base_url, "/v1/completions", body)["choices"][0]))
         return out
     finally:
         stop_replica(replica)

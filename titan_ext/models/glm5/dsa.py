@@ -130,9 +130,13 @@ class LightningIndexer(Module):
         return self.select(q, k, weights, [0, 0, x.size(1)])
 
 
+def _indexers(model: nn.Module) -> list[LightningIndexer]:
+    return [m for m in model.modules() if isinstance(m, LightningIndexer)]
+
+
 def set_indexer_fp8_ranking(model: nn.Module, on: bool) -> int:
     """Switch the indexers of a built model to (or from) vLLM's fp8 ranking; how many it has."""
-    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    indexers = _indexers(model)
     for m in indexers:
         m.fp8_ranking = on
     return len(indexers)
@@ -143,7 +147,7 @@ def recorded_selections(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Every selection the model's indexers make while the context is open, in call order
     (`[B, L, k]` key positions per call): what `moerl mismatch` compares between two rankings."""
     picks: list[torch.Tensor] = []
-    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    indexers = _indexers(model)
 
     def recording(select):
         def select_and_record(q, k, weights, segments):
