@@ -8,8 +8,9 @@ each as its own process so one failure does not hide the next:
 
 * ``train_kimi_k2``: `benchmarks.train_step` (the README's `torchtitan train --extension titan_ext`
   on Kimi-K2 ``bench``, fp8 and bf16);
-* ``train_glm5``: `torchtitan train --extension titan_ext --model glm5 --flavor tiny --titan_ext.optimizer_offload`
-  on the GPU;
+* ``train_glm5``: `torchtitan train --extension titan_ext --model glm5 --flavor tiny
+  --titan_ext.optimizer_offload --titan_ext.indexer_fp8` on the GPU (the indexer ranks as `moerl rl`
+  trains it);
 * ``kernels``: the Triton kernels' own test cases (``tests/unit/*_kernel_cases.py``: sparse MLA,
   the indexer, fp8 and block-fp8 quantisation, the lean dispatcher's combine/dispatch) on the
   real GPU instead of Triton's interpreter, fp32 ``tl.dot`` in IEEE precision;
@@ -135,10 +136,11 @@ def steps(args, tmp: Path) -> list[Step]:
     return [
         Step("train_kimi_k2", [py, "-m", "benchmarks.train_step", "--steps", str(args.train_steps),
                                "--out", str(train_out)], 300, _verify_train_step(train_out)),
-        # with optimizer offload, so its CUDA path (side-stream copies, pinned buffers) runs here
+        # optimizer offload's CUDA path (side-stream copies, pinned buffers) and the fp8-ranked
+        # indexer that `moerl rl` trains with (train.indexer_fp8) run here
         Step("train_glm5", [_torchtitan(), "train", "--extension", "titan_ext", "--model", "glm5", "--flavor", "tiny",
                             "--training.steps", "3", "--dump_folder", str(tmp / "glm5"),
-                            "--titan_ext.optimizer_offload"], 180, _verify_losses(3)),
+                            "--titan_ext.optimizer_offload", "--titan_ext.indexer_fp8"], 180, _verify_losses(3)),
         Step("kernels", pytest_kernels, 240, _verify_pytest,
              env={"TRITON_F32_DEFAULT": "ieee"}),
         Step("cp", [*torchrun, "-m", "benchmarks.cp", "--seq", "16384", "--iters", "1", "--out", str(tmp / "cp.json")],
