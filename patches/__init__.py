@@ -76,6 +76,7 @@ PATCH_MODULES = (
     "patches.vllm_cpu_portable_kernels",
     "patches.vllm_executor_reads_every_answer",
     # The tree's hooks: each module keeps its wrappers' logic and their records.
+    "titan_ext.chunked_loss",
     "titan_ext.cli",
     "titan_ext.teardown",
     "titan_ext.train_config",

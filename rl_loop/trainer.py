@@ -270,12 +270,13 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
     """TorchTitan's trainer for `spec` (model with FSDP2/EP, optimizer, checkpointing), loaded
     from the newest checkpoint under run_dir/trainer, else from spec.init_checkpoint."""
     from titan_ext.checkpoint import read_arch
-    from titan_ext.options import TitanExtOptions, apply_options, check_chunked_loss
+    from titan_ext.chunked_loss import enable_chunked_loss
+    from titan_ext.options import TitanExtOptions, apply_options
     from titan_ext.train_config import trainer_config
     from torchtitan.components.optimizer import default_adamw
 
     if spec.loss_chunk_tokens:
-        check_chunked_loss(f"train.loss_chunk_tokens = {spec.loss_chunk_tokens}")
+        enable_chunked_loss()
     cfg = trainer_config(spec.model, spec.flavor)
     arch = read_arch(spec.init_checkpoint, spec.model)
     from titan_ext.models import check_context_parallel, spec_from_arch

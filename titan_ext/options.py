@@ -13,9 +13,9 @@ import argparse
 import typing
 from dataclasses import dataclass, field, fields
 
-import patches
 from torchtitan.components.loss import ChunkedLossWrapper
 
+from .chunked_loss import enable_chunked_loss
 from .models.builder import Dispatcher, configure_indexer, configure_moe
 from .offload import LayerInputOffload, OptimizerStateOffload
 
@@ -82,7 +82,7 @@ def apply_options(config, options: TitanExtOptions) -> None:
     if options.loss_chunks < 1:
         raise ValueError(f"--{SECTION}.loss_chunks must be >= 1, got {options.loss_chunks}")
     if options.loss_chunks > 1:
-        check_chunked_loss(f"--{SECTION}.loss_chunks {options.loss_chunks}")
+        enable_chunked_loss()
         config.loss = ChunkedLossWrapper.Config(num_chunks=options.loss_chunks, loss_fn=config.loss)
     if options.optimizer_offload:
         config.model_spec.post_optimizer_build_fn = _with_offload(config.model_spec.post_optimizer_build_fn)
@@ -99,22 +99,6 @@ def _with_layer_input_offload(parallelize):
         return model
 
     return build
-
-
-# TorchTitan shards the final norm and the LM head as one FSDP unit. The chunked loss runs the norm in
-# the model's forward and the LM head on its own per chunk, with a backward each; FSDP2 before torch
-# 2.13 (pytorch#180428, "partial forward of [norm, head] for chunked loss") frees the norm's gathered
-# weight while the decoder's backward still needs it. Measured on the H200 (torch 2.11): the first
-# backward fails with "The tensor has a non-zero number of elements, but its data is not allocated yet".
-CHUNKED_LOSS_TORCH = "torch>=2.13"
-
-
-def check_chunked_loss(what: str) -> None:
-    """Refuse `what` (a chunked-loss option) where torch's FSDP2 cannot run TorchTitan's chunked loss."""
-    if not patches.in_range(CHUNKED_LOSS_TORCH):
-        raise ValueError(f"{what}: the chunked LM head + loss needs {CHUNKED_LOSS_TORCH} (FSDP2 partial forward of the "
-                         f"norm + LM-head unit, pytorch#180428); found torch {patches.installed_version('torch')}, "
-                         f"where its first backward fails. Leave the option out, or use {CHUNKED_LOSS_TORCH}")
 
 
 def _with_offload(post_build):

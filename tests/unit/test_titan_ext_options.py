@@ -87,16 +87,32 @@ def test_moerl_rl_takes_the_same_choices_in_its_trainer_config():
         RLConfig.from_toml(toml, {"train.dispatcher": "nccl"})
 
 
-def test_loss_chunks_are_refused_where_fsdp2_cannot_run_them(monkeypatch):
-    """On torch without FSDP2's partial forward of the norm + LM-head unit (the H200's 2.11) the first backward
-    fails inside torch; the option is refused before anything is built, naming the version it needs."""
-    import titan_ext.options as options
+def test_loss_chunks_shard_the_norm_and_the_lm_head_as_units_of_their_own(monkeypatch):
+    """The chunked loss reshards the LM head after its chunks; sharing an FSDP2 unit with the final norm, that
+    frees the norm's weight before the decoder's backward on torch < 2.13 (the H200's 2.11). With the option on,
+    TorchTitan's `fully_shard([norm, lm_head])` shards them one at a time; a tied embedding + head stays one unit."""
+    import torch
+    import torchtitan.distributed.fsdp as fsdp
+    from titan_ext.chunked_loss import SEPARATE_HEAD_UNITS, _one_unit_per_module
+    from titan_ext.options import apply_options
     from titan_ext.train_config import trainer_config
 
-    monkeypatch.setattr(options, "CHUNKED_LOSS_TORCH", "torch>=99")
-    with pytest.raises(ValueError, match=r"--titan_ext.loss_chunks 4: the chunked LM head \+ loss needs torch>=99 "
-                                         r"\(FSDP2 partial forward .*\); found torch 2\.\d+"):
-        options.apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=4))
+    calls = []
+    split = _one_unit_per_module(lambda module, **kw: calls.append((module, kw)))
+    norm, head, embed = torch.nn.LayerNorm(4), torch.nn.Linear(4, 8), torch.nn.Embedding(8, 4)
+    split([norm, head], mesh="m", reshard_after_forward=False)
+    assert calls == [(norm, {"mesh": "m", "reshard_after_forward": False}),
+                     (head, {"mesh": "m", "reshard_after_forward": False})]
+    calls.clear()
+    head.weight = embed.weight
+    split([embed, norm, head], mesh="m")
+    assert len(calls) == 1 and calls[0][0] == [embed, norm, head]
+
+    monkeypatch.setattr(fsdp, "fully_shard", getattr(fsdp.fully_shard, "__wrapped__", fsdp.fully_shard))
+    apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=1))
+    assert getattr(fsdp.fully_shard, "_moerl_patch", None) is None
+    apply_options(trainer_config("kimi_k2", "tiny"), TitanExtOptions(loss_chunks=4))
+    assert getattr(fsdp.fully_shard, "_moerl_patch", None) == SEPARATE_HEAD_UNITS.name
 
 
 def test_indexer_fp8_reaches_every_glm5_indexer_and_rl_turns_it_on():
