@@ -60,6 +60,9 @@ def _spread(tps: list[float]) -> dict | None:
 
 def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int, extra: tuple[str, ...] = ()) -> dict:
     """One `torchtitan train` run (`extra`: more flags, last); per-step tokens/s and TorchTitan's tflops, from its log."""
+    import titan_ext
+
+    titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
     from titan_ext.train_config import local_assets
 
     assets = local_assets("kimi_k2")
@@ -101,7 +104,7 @@ def main() -> None:
 
     import titan_ext
 
-    titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
+    titan_ext.activate()  # before torchtitan is imported
     from titan_ext.models import get_arch
 
     arch = get_arch("kimi_k2", args.flavor)
