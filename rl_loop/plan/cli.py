@@ -45,12 +45,12 @@ def train_parser() -> argparse.ArgumentParser:
                    help="fp8 MoE experts, or bf16 with --no-fp8 (default: searched)")
     p.add_argument("--recipe", choices=tuple(RECIPES), default="titan_ext",
                    help="memory techniques: titan_ext (what titan_ext and moerl's trainer run: optimizer-state "
-                        "offload, 1024-token LM-head + loss chunks, AC none|full) or prime_rl (its GLM-5 131k "
-                        "config: the same plus AC offload, planner-only here); the three flags below override it "
+                        "offload, 1024-token LM-head + loss chunks, AC none|full|offload searched) or prime_rl (its "
+                        "GLM-5 131k config: the same with AC offload only); the three flags below override it "
                         "(default %(default)s)")
     p.add_argument("--ac", choices=AC_MODES,
-                   help="activation checkpointing per layer; offload is planner-only "
-                        "(default: searched over the recipe's)")
+                   help="activation checkpointing per layer; offload: full, with each layer's input in host memory "
+                        "(--titan_ext.activation_offload) (default: searched over the recipe's)")
     p.add_argument("--loss-chunk", type=int, metavar="N",
                    help="tokens per LM-head + loss chunk (train.loss_chunk_tokens); 0: the whole local sequence "
                         "(default: the recipe's)")
@@ -110,8 +110,7 @@ def run_train(argv: list[str]) -> int:
                               ac_modes=recipe.ac_modes)
         if not plans:
             raise PlanError(f"none of the {tried} layouts tried fits {work.model} at --seq-len {work.seq_len} in "
-                            f"{work.gpu_bytes / 1e9:.0f} GB per GPU: add trainer GPUs, or try --recipe prime_rl "
-                            f"(planner-only memory techniques)")
+                            f"{work.gpu_bytes / 1e9:.0f} GB per GPU: add trainer GPUs or shorten --seq-len")
     if a.json:
         print(json.dumps({"model": a.model, "recipe": a.recipe,
                           "workload": vars(work) | {"tokens_per_step": work.tokens_per_step},

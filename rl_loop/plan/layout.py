@@ -20,15 +20,16 @@ class Recipe:
 
 
 # titan_ext: what `torchtitan train --extension titan_ext` and moerl's trainer run: optimizer-state
-# offload (--titan_ext.optimizer_offload, train.optimizer_offload) and 1024-token LM-head + loss
-# chunks (--titan_ext.loss_chunks, train.loss_chunk_tokens); AC none|full.
+# offload (--titan_ext.optimizer_offload, train.optimizer_offload), 1024-token LM-head + loss
+# chunks (--titan_ext.loss_chunks, train.loss_chunk_tokens), AC none|full|offload (offload: full AC
+# with --titan_ext.activation_offload, train.activation_offload); every AC mode is searched.
 # prime_rl: PrimeIntellect-ai/prime-rl examples/advanced/glm-5.2/swe-llmd.toml on top of its trainer
 # defaults (configs/trainer.py ModelConfig: optim_cpu_offload = True, fp32 optimization and reduce
 # dtypes): fused_lm_head_token_chunk_size = 1024, [trainer.model.ac] freq = 1 with
-# [trainer.model.ac_offloading] max_inflight_activations = 1.
+# [trainer.model.ac_offloading] max_inflight_activations = 1, so AC offload only.
 RECIPES = {
-    "titan_ext": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=("none", "full")),
-    "prime_rl": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=AC_MODES),
+    "titan_ext": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=AC_MODES),
+    "prime_rl": Recipe(optim_offload=True, loss_chunk=1024, ac_modes=("offload",)),
 }
 
 
@@ -109,12 +110,3 @@ def check_layout(layout: Layout, work: Workload, num_experts: int) -> None:
     if work.sample_tokens > work.seq_len:
         raise PlanError(f"--sample-tokens {work.sample_tokens} is over --seq-len {work.seq_len}: a sample is packed "
                         f"into one sequence, raise --seq-len or shorten the samples")
-
-
-def planner_only(layout: Layout, work: Workload) -> list[str]:
-    """The choices of a plan that titan_ext / moerl's trainer cannot run today (the planner
-    models them; each names what prime-rl's trainer does instead)."""
-    out = []
-    if layout.ac == "offload":
-        out.append("AC offload (layer inputs to host memory; prime-rl model.ac_offloading)")
-    return out

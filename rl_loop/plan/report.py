@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .layout import Workload, planner_only
+from .layout import Workload
 from .memory import LayerMemory
 from .rates import Rate
 from .search import Plan
@@ -29,7 +29,6 @@ def plan_dict(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
     return {
         "layout": {**asdict(plan.layout), "dp_replicate": plan.layout.replicas(work.trainer_gpus)},
         "fits": plan.fits(work),
-        "planner_only": planner_only(plan.layout, work),
         "memory_bytes": plan.memory.to_dict(),
         "comm_bytes_per_step": plan.comm.to_dict(),
         "step_time_s": plan.time.to_dict(),
@@ -46,7 +45,6 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
     m, c, t = plan.memory, plan.comm, plan.time
     tokens = work.seq_len // plan.layout.cp
     inf = inference_need(plan, work, replica_tokens_per_s)
-    assumed = planner_only(plan.layout, work)
     optimizer = f"optimizer {m.optimizer / GB:.1f}"
     if m.optimizer_on_host:
         optimizer += (f" (on the GPU for the step only: the peak holds the larger of it and the "
@@ -55,8 +53,6 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
         f"{plan.layout.label()}  (dp_replicate {plan.layout.replicas(work.trainer_gpus)}): "
         f"{m.total / GB:.1f} GB per GPU of {work.gpu_bytes / GB:.0f} ({'fits' if plan.fits(work) else 'DOES NOT FIT'}), "
         f"predicted step {t.total:.1f} s",
-        "  " + ("PLANNER-ONLY (titan_ext cannot run this today): " + "; ".join(assumed) if assumed
-                else "runs on titan_ext today"),
         f"  memory per GPU (GB): params {m.params / GB:.1f}, grads {m.grads / GB:.1f}, {optimizer}, "
         f"unsharded in flight {m.unsharded / GB:.1f}, activations {m.activations / GB:.1f}, "
         f"logits {m.logits / GB:.1f}, reserved {m.reserved / GB:.1f}; host (offload) {m.host / GB:.1f}",

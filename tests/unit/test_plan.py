@@ -176,24 +176,28 @@ def _plan_json(*flags: str) -> dict:
 
 def test_moerl_plan_glm5_131k_prime_rl_recipe_finds_cp4_ep8_or_a_faster_fitting_layout():
     """With prime-rl's memory techniques (optimizer-state offload, 1024-token LM-head chunks, AC
-    offload: planner-only here), its layout cp 4 / ep 8 fits, and the search's best is cp 4 / ep 8
-    or a layout that fits with a predicted step no longer than cp 4 / ep 8's."""
+    offload), its layout cp 4 / ep 8 fits, and the search's best is cp 4 / ep 8 or a layout that
+    fits with a predicted step no longer than cp 4 / ep 8's."""
     result = _plan_json("--recipe", "prime_rl")
     work = Workload(model="glm5", seq_len=131072, trainer_gpus=128, loss_chunk=1024, optim_offload=True)
     prime = make_plan(PRIME_RL, work, RATES)
     assert prime.fits(work)
     best = result["plans"][0]
-    assert best["fits"] and best["memory_bytes"]["total"] <= 141e9 and best["planner_only"]
+    assert best["fits"] and best["memory_bytes"]["total"] <= 141e9
+    assert all(p["layout"]["ac"] == "offload" for p in result["plans"])
     layout = best["layout"]
     assert (layout["cp"], layout["ep"]) == (4, 8) or best["step_time_s"]["total"] <= prime.time.total
 
 
-def test_moerl_plan_glm5_131k_titan_ext_recipe_labels_what_runs_today():
-    """The default recipe is what titan_ext runs: no planner-only technique in any plan, and
-    there prime-rl's cp 4 / ep 8 does not fit (the fp32 optimizer state stays on the GPU)."""
+def test_moerl_plan_glm5_131k_titan_ext_recipe_searches_every_ac_mode():
+    """The default recipe is what titan_ext runs, every AC mode searched (offload is
+    `--titan_ext.activation_offload`); without the optimizer offload prime-rl's cp 4 / ep 8 does not
+    fit under full AC (the fp32 optimizer state stays on the GPU)."""
     result = _plan_json()
     assert result["recipe"] == "titan_ext" and result["plans"]
-    assert all(p["fits"] and not p["planner_only"] and p["layout"]["ac"] != "offload" for p in result["plans"])
+    assert all(p["fits"] for p in result["plans"])
+    searched = _plan_json("--cp", "4", "--ep", "8", "--fp8")
+    assert {p["layout"]["ac"] for p in searched["plans"]} == {"full", "offload"}
     titan = Workload(model="glm5", seq_len=131072, trainer_gpus=128)
     assert not make_plan(dataclasses.replace(PRIME_RL, ac="full"), titan, RATES).fits(titan)
 
