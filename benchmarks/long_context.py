@@ -1,8 +1,8 @@
 """The longest sequence one GPU trains, with titan_ext's memory techniques off and on, side by side.
 
-Each case is one `torchtitan train --extension titan_ext --model kimi_k2 --flavor bench` run (full
-width, 4 layers, 16 experts, fp8 experts; `benchmarks.train_step.train`) at one sequence length
-with one set of flags:
+Each case is one `torchtitan train --extension titan_ext --model M --flavor bench` run (full width,
+4 layers, 16 experts, fp8 experts; `benchmarks.train_step.train`; M is kimi_k2, or glm5 with
+`--model glm5`) at one sequence length with one set of flags:
 
 * ``none``: whole-sequence logits, AdamW state on the GPU, TorchTitan's default (selective) AC;
 * ``loss_chunks``: + `--titan_ext.loss_chunks` (chunks of at most 8192 positions);
@@ -16,6 +16,9 @@ log's last error). At the common length (the ladder's first) the tokens/s of eve
 measured in the same run: that is each one's cost. Peak memory is TorchTitan's logged peak.
 
     python -m benchmarks.long_context --out benchmarks/results/long_context_h200.json
+    python -m benchmarks.long_context --model glm5 --merge --out benchmarks/results/long_context_h200.json
+
+Each model's results are under `models.<model>`.
 """
 
 from __future__ import annotations
@@ -59,35 +62,39 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per run; steps 1-2 are warm-up (default 4)")
     ap.add_argument("--timeout-s", type=int, default=300)
     ap.add_argument("--techniques", nargs="+", default=list(TECHNIQUES), choices=list(TECHNIQUES))
+    ap.add_argument("--model", choices=("kimi_k2", "glm5"), default="kimi_k2",
+                    help="the model whose bench flavor trains (default kimi_k2)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the other techniques' results in --out (a run split over two device sessions)")
+                    help="keep the other models' and techniques' results in --out (a run split over device sessions)")
     args = ap.parse_args()
 
     out = ResultsFile(ROOT / args.out)
-    kept = {k: v for k, v in out.read().get("techniques", {}).items() if k not in args.techniques} if args.merge else {}
-    res = {**run_info("benchmarks.long_context"), "model": "kimi_k2 bench, fp8 experts, batch 1",
-           "loss_chunk_tokens": CHUNK_TOKENS, "techniques": kept}
+    models = out.read().get("models", {}) if args.merge else {}
+    kept = {k: v for k, v in models.get(args.model, {}).get("techniques", {}).items() if k not in args.techniques}
+    res = models[args.model] = {**run_info("benchmarks.long_context"), "model": f"{args.model} bench, fp8 experts, batch 1",
+                                "techniques": kept}
+    whole = {"loss_chunk_tokens": CHUNK_TOKENS, "models": models}
     for name in args.techniques:
         names, ladder = TECHNIQUES[name]
         tech = res["techniques"][name] = {"runs": {}, "longest_trained": None, "first_failed": None}
         for seq_len in ladder:
-            run = train("bench", args.steps, seq_len, 1, True, args.timeout_s, flags(names, seq_len))
+            run = train("bench", args.steps, seq_len, 1, True, args.timeout_s, flags(names, seq_len), model=args.model)
             run["outcome"] = outcome(run)
             tech["runs"][str(seq_len)] = run
-            print(name, seq_len, run["outcome"], run["tps_median"], run["peak_memory"], flush=True)
+            print(args.model, name, seq_len, run["outcome"], run["tps_median"], run["peak_memory"], flush=True)
             if run["outcome"] != "trained":
                 tech["first_failed"] = seq_len
-                out.update(res)
+                out.update(whole)
                 break
             tech["longest_trained"] = seq_len
-            out.update(res)  # a run cut short keeps what it measured
+            out.update(whole)  # a run cut short keeps what it measured
     common = str(min(ladder[0] for _, ladder in TECHNIQUES.values()))  # every ladder starts there
     base = res["techniques"].get("none", {}).get("runs", {}).get(common, {}).get("tps_median")
     if base:
         res["tokens_per_s_vs_none_at_" + common] = {
             name: round(t["runs"][common]["tps_median"] / base, 3)
             for name, t in res["techniques"].items() if t["runs"].get(common, {}).get("tps_median")}
-    out.update(res)
+    out.update(whole)
     print({k: v for k, v in res.items() if k != "techniques"})
 
 

@@ -58,15 +58,16 @@ def _spread(tps: list[float]) -> dict | None:
             "max_minus_min_over_median": round((max(tps) - min(tps)) / med, 4)}
 
 
-def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int, extra: tuple[str, ...] = ()) -> dict:
+def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_s: int, extra: tuple[str, ...] = (),
+          model: str = "kimi_k2") -> dict:
     """One `torchtitan train` run (`extra`: more flags, last); per-step tokens/s and TorchTitan's tflops, from its log."""
     import titan_ext
 
     titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is imported
     from titan_ext.train_config import local_assets
 
-    assets = local_assets("kimi_k2")
-    cmd = [shutil.which("torchtitan") or "torchtitan", "train", "--extension", "titan_ext", "--model", "kimi_k2",
+    assets = local_assets(model)
+    cmd = [shutil.which("torchtitan") or "torchtitan", "train", "--extension", "titan_ext", "--model", model,
            "--flavor", flavor, "--hf_assets_path", str(assets), "--dataloader.dataset_path", str(assets / "corpus"),
            "--training.steps", str(steps), "--training.seq_len", str(seq_len),
            "--training.local_batch_size", str(batch), "--training.mixed_precision_param", "bfloat16",

@@ -1,5 +1,7 @@
 """GLM-5: MLA with DeepSeek Sparse Attention (lightning indexer) and 256 routed experts."""
 
+from dataclasses import replace
+
 from ..arch import MLAMoEArch
 
 FLAVORS: dict[str, MLAMoEArch] = {
@@ -53,3 +55,7 @@ FLAVORS: dict[str, MLAMoEArch] = {
         index_topk=8,
     ),
 }
+
+# Full width, four layers (one dense, three MoE), 16 experts, as kimi_k2's "bench": one H200 holds
+# it with fp32 master weights and AdamW state, for the long-context benchmark (benchmarks/long_context.py).
+FLAVORS["bench"] = replace(FLAVORS["full"], n_layers=4, n_dense_layers=1, num_experts=16)
