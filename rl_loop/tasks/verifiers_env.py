@@ -65,11 +65,17 @@ def _native_tool(tool: vf.Tool) -> dict:
                                              "parameters": tool.parameters}}
 
 
-def parse_reply(parser: ToolCallParser, fmt: Any, history: list[dict], body: str, tools: list[dict]) -> ParsedTurn:
-    """The reply `body` (sampled after `history`, without its end-of-turn token) as an assistant message: its
-    parsed calls only where the chat template renders them back as exactly `body`, else plain text (malformed)."""
+def parse_reply(parser: ToolCallParser, fmt: Any, history: list[dict], text: str, end: str, tools: list[dict]
+                ) -> ParsedTurn:
+    """The reply `text` (sampled after `history`; `end`: the end-of-turn token it stopped at, "" if none) as an
+    assistant message: its calls, parsed from the text without `end` as vLLM's chat endpoint parses them, only
+    where the chat template renders them back as exactly `text`, the end-of-turn token included, else plain
+    text (malformed). A call the parser reads although its section was never closed (`<|tool_call_end|>` or
+    `<|tool_calls_section_end|>` missing before `<|im_end|>`) renders with the closing markers the model did
+    not sample, so it is malformed, not a history the next turn would have to rewrite."""
+    body = text[: len(text) - len(end)]
     parsed = parser.parse(body)
-    if parsed.tool_calls and not fmt.renders_verbatim(history, parsed.message(), body, tools):
+    if parsed.tool_calls and not fmt.renders_verbatim(history, parsed.message(), text, tools):
         return ParsedTurn(body, [], "the chat template renders the parsed calls differently from the sampled text")
     return parsed
 
@@ -139,10 +145,9 @@ class TokenClient(vf.Client):
             self.failure = exc
             raise
         text = self.ctx.tokenizer.decode(comp.completion_ids)
-        # The reply without the end-of-turn token it stopped at, as vLLM's chat endpoint returns it.
         ended = bool(stop) and comp.completion_ids[-1:] == [stop[0]]
-        body = self.ctx.tokenizer.decode(comp.completion_ids[:-1]) if ended else text
-        parsed = parse_reply(self.parser, self.fmt, self.history, body, self.tools) if self.tools else ParsedTurn(text)
+        end = self.ctx.tokenizer.decode(stop[:1]) if ended else ""
+        parsed = parse_reply(self.parser, self.fmt, self.history, text, end, self.tools) if self.tools else ParsedTurn(text)
         counters = self.ctx.counters
         if parsed.malformed:
             counters["malformed_tool_calls"] = counters.get("malformed_tool_calls", 0) + 1

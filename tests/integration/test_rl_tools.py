@@ -113,7 +113,7 @@ def _reconstruct(task, prompt, ep, tok):
     for t, ids in enumerate(sampled):
         text = tok.decode(ids)
         assert text.endswith("<|im_end|>"), "each turn stops at the template's end of turn"
-        turn = parse_reply(parser, fmt, messages, text[: -len("<|im_end|>")], tools)
+        turn = parse_reply(parser, fmt, messages, text, "<|im_end|>", tools)
         turns.append(turn)
         messages.append(turn.message())
         if t == len(sampled) - 1:  # the last turn gets no answer (the rollout ended: an answer, or max_turns)

@@ -105,13 +105,23 @@ def test_a_three_turn_tool_conversation_is_one_sequence_as_the_template_renders_
     assert tool_metrics(ctx.counters) == {"tool_use_rate": 1.0, "tool_calls": 2, "malformed_tool_calls": 0}
 
 
-def test_a_malformed_call_is_a_scored_turn_not_an_error(tok):
+UNCLOSED_CALL = '<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{"key": "k1"}'
+
+
+@pytest.mark.parametrize("reply", [
+    "<|tool_calls_section_begin|>12<|im_end|>",
+    # vLLM's parser reads these calls, but the template would close them with markers the model did not sample:
+    # before, the next turn refused the rollout ("rewrites history"); now they are malformed turns
+    UNCLOSED_CALL + "<|im_end|>",
+    UNCLOSED_CALL + "<|tool_call_end|><|im_end|>",
+])
+def test_a_malformed_call_is_a_scored_turn_not_an_error(tok, reply):
     task = lookup_task()
     prompt = task.prompts(random.Random(1), 1)[0]
-    ctx = scripted(tok, ["<|tool_calls_section_begin|>12<|im_end|>", "unused"])
+    ctx = scripted(tok, [reply, "unused"])
     (ep,) = asyncio.run(task.run_group(ctx, prompt, 1, "g", 0))
     assert ep.error is None and ep.conversation.turns == 1 and ep.reward < 1.0
-    assert tok.decode(ep.conversation.completion_ids) == "<|tool_calls_section_begin|>12<|im_end|>"
+    assert tok.decode(ep.conversation.completion_ids) == reply
     assert tool_metrics(ctx.counters) == {"tool_use_rate": 0.0, "tool_calls": 0, "malformed_tool_calls": 1}
 
 
