@@ -56,8 +56,9 @@ def train_parser() -> argparse.ArgumentParser:
                         "(default: the recipe's)")
     p.add_argument("--optim-offload", action=argparse.BooleanOptionalAction, default=None,
                    help="AdamW moments in host memory between steps (train.optimizer_offload) (default: the recipe's)")
-    p.add_argument("--host-gbps", type=float, default=25.0,
-                   help="GB/s per GPU between host and GPU, for --optim-offload (assumed) (default %(default)s)")
+    p.add_argument("--host-gbps", type=float,
+                   help="GB/s per GPU at which --optim-offload moves the moments out and back (default: the rate "
+                        "titan_ext's offload reached on one H200, long_context_h200.json)")
     p.add_argument("--internode-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (assumed: one 400 Gb/s NIC per GPU) (default %(default)s)")
     p.add_argument("--gpu-gb", type=float, default=H200_BYTES / 1e9, help="GB per GPU (default %(default)s)")

@@ -52,7 +52,7 @@ class Workload:
     optim_offload: bool = False  # AdamW moments in host memory between steps, on the GPU only for step()
     gpu_bytes: float = H200_BYTES
     internode_gbps: float = 50.0  # per GPU, one 400 Gb/s NIC each: not measurable here, a flag
-    host_gbps: float = 25.0  # per GPU, host <-> GPU over PCIe: not measured here, a flag
+    host_gbps: float | None = None  # the moments' host <-> GPU rate per GPU; None: titan_ext's, measured
 
     @property
     def tokens_per_sample(self) -> int:

@@ -7,7 +7,8 @@ default number: a missing file or key is an error naming it.
 The files are the benchmarks' own (benchmarks/results/*.json). moerl ships a copy of the ones
 a plan reads (`SHIPPED`, package data, so `moerl plan` works from an installed wheel);
 `moerl plan --results DIR` reads fresh ones instead. After a benchmark rewrites one, copy it:
-    cp benchmarks/results/{moe_block_h200,weight_sync,weight_reload,train_step_h200}.json rl_loop/plan/measured/
+    cp benchmarks/results/{moe_block_h200,weight_sync,weight_reload,train_step_h200,long_context_h200}.json \
+        rl_loop/plan/measured/
 (tests/unit/test_plan_rates.py fails while the copies differ from benchmarks/results.)
 """
 
@@ -24,7 +25,8 @@ MOE_BLOCK = "moe_block_h200.json"
 WEIGHT_SYNC = "weight_sync.json"
 WEIGHT_RELOAD = "weight_reload.json"
 TRAIN_STEP = "train_step_h200.json"
-READ = (MOE_BLOCK, WEIGHT_SYNC, WEIGHT_RELOAD, TRAIN_STEP)  # the files a plan reads, shipped in SHIPPED
+LONG_CONTEXT = "long_context_h200.json"
+READ = (MOE_BLOCK, WEIGHT_SYNC, WEIGHT_RELOAD, TRAIN_STEP, LONG_CONTEXT)  # the files a plan reads, shipped in SHIPPED
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,17 @@ class Rates:
         model = re.search(r"--model (\S+)", run["command"]).group(1)
         return (model, d["model"]["flavor"], d["model"]["tokens_per_step"],
                 Rate(run["tps_median"], "tokens/s", f"{TRAIN_STEP}: runs.{name}.tps_median"))
+
+    def optimizer_offload_pair(self) -> tuple[str, int, Rate, Rate]:
+        """(model, tokens per step, tokens/s without, tokens/s with `--titan_ext.optimizer_offload`) of
+        benchmarks.long_context on Kimi-K2 `bench`: the chunked loss alone and with the offload, at the
+        ladders' common length, where both train."""
+        d = self.file(LONG_CONTEXT)["models"]["kimi_k2"]
+        common = min(int(n) for n in d["techniques"]["none"]["runs"])
+        rates = [Rate(d["techniques"][t]["runs"][str(common)]["tps_median"], "tokens/s",
+                      f"{LONG_CONTEXT}: models.kimi_k2.techniques.{t}.runs.{common}.tps_median")
+                 for t in ("loss_chunks", "loss_chunks+offload")]
+        return "kimi_k2", common, rates[0], rates[1]
 
     def weight_sync_runs(self) -> list[dict]:
         """weight_sync.json's timed runs, each with its key."""

@@ -5,8 +5,8 @@ a*N + b*N^2 through the two measured lengths, the quadratic part per packed samp
 CP ranks), the MoE blocks at the measured titan_ext block TFLOP/s, the dense FFNs and LM head
 at the measured dense matmul rate, one more forward under activation checkpointing, plus the EP
 all-to-all and CP gathers (on the critical path), whatever FSDP traffic the compute does not
-hide, and with optimizer-state offload the moments' copy to the GPU and back around the
-optimizer step. What these parts leave out (norms, residual adds, the router's top-k, the
+hide, and with optimizer-state offload the time the moments' copies add to a step (measured
+for titan_ext's offload by benchmarks.long_context). What these parts leave out (norms, residual adds, the router's top-k, the
 loss, the optimizer step, framework time) is calibrated on a whole training step measured on
 one H200 (benchmarks.train_step): the measured step time minus the same parts predicted for
 that step, per token and layer, added per local token and layer.
@@ -112,6 +112,17 @@ def unmodelled_per_token_layer(glm5_arch, fp8: bool, rates: Rates) -> Rate:
                 f"against {sum(parts):.3f} s predicted)")
 
 
+def host_copy_gbps(rates: Rates) -> Rate:
+    """GB/s at which titan_ext's optimizer offload moves AdamW's moments out and back in a step
+    (copy-out overlapped with the forward as it runs): the moments of the Kimi-K2 `bench` run over
+    the step time the offload added, measured side by side on one H200."""
+    model, tokens, without, with_offload = rates.optimizer_offload_pair()
+    moments = 2 * param_counts(load_arch(model, "bench")).total * FP32
+    added = tokens / with_offload.value - tokens / without.value
+    return Rate(2 * moments / 1e9 / added, "GB/s", f"{with_offload.source} against {without.source} ({model} bench, "
+                f"{2 * moments / 1e9:.1f} GB of moments out and in, {added:.3f} s added per step)")
+
+
 def link_gbps(group: int, nvlink: Rate, internode_gbps: float) -> float:
     return nvlink.value if group <= GPUS_PER_NODE else min(nvlink.value, internode_gbps)
 
@@ -133,16 +144,17 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     fsdp_gbps = link_gbps(layout.fsdp * layout.cp, nvlink, work.internode_gbps)
     fsdp = (comm.fsdp_all_gather + comm.fsdp_reduce_scatter) / (fsdp_gbps * 1e9)
     replicas = comm.replica_all_reduce / (work.internode_gbps * 1e9)
-    # prime-rl's CPUOffloadOptimizer moves the moments in before step() and out after it, not overlapped
+    # the moments' copies out and back per step, at the rate measured for titan_ext's offload (or --host-gbps)
     moments = 2 * counts.total / (layout.fsdp * layout.cp) * FP32
-    optimizer_offload = 2 * moments / (work.host_gbps * 1e9) if work.optim_offload else 0.0
+    host = Rate(work.host_gbps, "GB/s", "--host-gbps") if work.host_gbps else host_copy_gbps(rates)
+    optimizer_offload = 2 * moments / (host.value * 1e9) if work.optim_offload else 0.0
     source = {
         **{k: str(v) for k, v in used.items()}, "unmodelled_per_token_layer": str(overhead),
         "ep_dispatch_gbps": str(ep_rate), "nvlink_collective_gbps": str(nvlink),
         "internode_gbps": f"{work.internode_gbps:g} GB/s  [--internode-gbps: assumed, no multi-node run here]",
     }
     if work.optim_offload:
-        source["host_gbps"] = f"{work.host_gbps:g} GB/s  [--host-gbps: assumed, no host-GPU copy measured here]"
+        source["host_gbps"] = str(host)
     for p in rates.dsa_points():
         source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
     return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, unmodelled=unmodelled,
