@@ -121,10 +121,8 @@ def sample_completions(cfg: MismatchConfig, served: Path, prompt_ids: list[list[
 
     The server is sized for the longest prompt plus `max_tokens`; a request the checkpoint's
     context cannot hold is refused before the server starts."""
-    import aiohttp
-
     from .replicas import fit_context, served_model_name, start_replica, stop_replica, wait_healthy
-    from .rollouts import request_group
+    from .rollouts import replica_session, request_group
 
     max_model_len = fit_context(served, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moerl-mismatch-"))
@@ -136,7 +134,7 @@ def sample_completions(cfg: MismatchConfig, served: Path, prompt_ids: list[list[
 
         async def run() -> list:
             sem = asyncio.Semaphore(cfg.concurrency)
-            async with aiohttp.ClientSession() as session:
+            async with replica_session() as session:
                 async def one(i: int, ids: list[int]):
                     async with sem:
                         (c,) = await request_group(session, replica, model_name, ids, n=1, max_tokens=cfg.max_tokens,

@@ -46,7 +46,7 @@ from .replicas import Replica, checkpoint_context, served_model_name, start_repl
 from .report import Reporter, log
 from .llmd import LlmdRouter
 from .router import embedded_pick
-from .rollouts import RolloutContext, generate_group
+from .rollouts import RolloutContext, generate_group, replica_session
 from .tasks import get_task, group_samples, is_episodic
 from .tools.parsing import DEFAULT_PARSERS, tool_metrics
 from .tools.sandbox import SandboxLimits
@@ -363,7 +363,6 @@ class Orchestrator:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> dict:
-        import aiohttp
         from transformers import AutoTokenizer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +394,7 @@ class Orchestrator:
             model_name = await asyncio.to_thread(served_model_name, self.replicas[0])
             k = self.cfg.rollout.max_off_policy_steps
             inf_llmd = isinstance(self.router, LlmdRouter)
-            async with aiohttp.ClientSession() as session:
+            async with replica_session() as session:
                 last = self.cfg.train.steps
                 submitted: dict[int, tuple[Rollouts, list[Sample], dict[str, int]]] = {}
 
