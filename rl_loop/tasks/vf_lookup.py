@@ -5,11 +5,14 @@ Each prompt asks for the code stored under a key ("code of k7?"); the one tool,
 `lookup(key)`, returns it (a 3-digit code derived from the key, unguessable without
 the tool). The reward is 1 when the final reply contains the code, else the fraction
 of its digits the reply gets in place, plus `tool_bonus` (0.5) for a well-formed
-`lookup` call: a tiny model copies a code only after much training, and the bonus
-gives it a gradient towards the tool before it can (the shaping agentic curricula
-use). The `ToolEnv`'s own metrics count the calls. So a policy learns to call the
-tool, with well-formed arguments, and to copy its answer: the smallest agentic
-loop, small enough for the tiny CPU models.
+`lookup` call followed by a reply: a tiny model copies a code only after much
+training, and the bonus gives it a gradient towards the tool before it can (the
+shaping agentic curricula use). A bonus for the call alone is a trap: a policy that
+calls on every turn until `max_turns` keeps the bonus and never replies (measured:
+tool use 0.51 -> 0.97 and reward 0.28 -> 0.49 over 30 steps, nearly all of it bonus).
+The `ToolEnv`'s own metrics count the calls. So a policy learns to call the tool, with
+well-formed arguments, and to copy its answer: the smallest agentic loop, small
+enough for the tiny CPU models.
 
 The tool is a module-level function, so the sandbox ships it by reference and the
 sandboxed process imports only this module's light top (`code_of` needs nothing).
@@ -60,11 +63,18 @@ def copied_code(completion, info, **kwargs) -> float:
     return sum(a == b for a, b in zip(code, reply.strip())) / len(code)
 
 
-def called_lookup(completion, **kwargs) -> float:
-    """1 if the policy made a well-formed `lookup` call (the parser read it and the environment ran it)."""
-    for m in completion or []:
-        calls = m.get("tool_calls") if isinstance(m, dict) else getattr(m, "tool_calls", None)
-        for c in calls or []:
+def _calls(message) -> list:
+    return (message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)) or []
+
+
+def replied_after_lookup(completion, **kwargs) -> float:
+    """1 if the policy made a well-formed `lookup` call (the parser read it and the environment ran it) and then
+    replied without another call."""
+    replies = [m for m in completion or [] if (m["role"] if isinstance(m, dict) else m.role) == "assistant"]
+    if not replies or _calls(replies[-1]):
+        return 0.0
+    for m in replies:
+        for c in _calls(m):
             name = c["function"]["name"] if isinstance(c, dict) else c.name
             if name == "lookup":
                 return 1.0
@@ -79,4 +89,4 @@ def load_environment(size: int = 100, seed: int = 0, max_turns: int = 3, tool_bo
     keys = [f"k{rng.randrange(100)}" for _ in range(size)]
     rows = [{"question": f"code of {k}?", "answer": code_of(k), "info": {"key": k}} for k in keys]
     return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[lookup], max_turns=max_turns,
-                      rubric=vf.Rubric(funcs=[copied_code, called_lookup], weights=[1.0, tool_bonus]))
+                      rubric=vf.Rubric(funcs=[copied_code, replied_after_lookup], weights=[1.0, tool_bonus]))
