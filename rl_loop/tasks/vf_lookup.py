@@ -46,13 +46,19 @@ TOOL_SPEC = {"type": "function", "function": {
                    "required": ["key"], "title": "lookup_args", "type": "object", "additionalProperties": False}}}
 
 
+def _field(message, name: str):
+    """A message's field: verifiers hands the rubric dicts or message objects."""
+    return message.get(name) if isinstance(message, dict) else getattr(message, name, None)
+
+
+def _replies(completion) -> list:
+    return [m for m in completion or [] if _field(m, "role") == "assistant"]
+
+
 def _final_reply(completion) -> str:
-    for m in reversed(completion or []):
-        role = m["role"] if isinstance(m, dict) else m.role
-        if role == "assistant":
-            content = m["content"] if isinstance(m, dict) else m.content
-            return content if isinstance(content, str) else ""
-    return ""
+    replies = _replies(completion)
+    content = _field(replies[-1], "content") if replies else None
+    return content if isinstance(content, str) else ""
 
 
 def copied_code(completion, info, **kwargs) -> float:
@@ -63,18 +69,14 @@ def copied_code(completion, info, **kwargs) -> float:
     return sum(a == b for a, b in zip(code, reply.strip())) / len(code)
 
 
-def _calls(message) -> list:
-    return (message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)) or []
-
-
 def replied_after_lookup(completion, **kwargs) -> float:
     """1 if the policy made a well-formed `lookup` call (the parser read it and the environment ran it) and then
     replied without another call."""
-    replies = [m for m in completion or [] if (m["role"] if isinstance(m, dict) else m.role) == "assistant"]
-    if not replies or _calls(replies[-1]):
+    replies = _replies(completion)
+    if not replies or _field(replies[-1], "tool_calls"):
         return 0.0
     for m in replies:
-        for c in _calls(m):
+        for c in _field(m, "tool_calls") or []:
             name = c["function"]["name"] if isinstance(c, dict) else c.name
             if name == "lookup":
                 return 1.0

@@ -105,6 +105,15 @@ def test_a_three_turn_tool_conversation_is_one_sequence_as_the_template_renders_
     assert tool_metrics(ctx.counters) == {"tool_use_rate": 1.0, "tool_calls": 2, "malformed_tool_calls": 0}
 
 
+def test_calling_until_max_turns_earns_no_tool_bonus(tok):
+    """The bonus is for a lookup followed by a reply: a policy that calls on every turn never answers."""
+    task = lookup_task(wall_s=30.0)
+    prompt = task.prompts(random.Random(0), 1)[0]
+    key = prompt.meta["input"]["info"]["key"]
+    (ep,) = asyncio.run(task.run_group(scripted(tok, [call_text(key)] * 3), prompt, 1, "g", 0))
+    assert ep.error is None and ep.conversation.turns == 3 and ep.reward == 0.0
+
+
 UNCLOSED_CALL = '<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{"key": "k1"}'
 
 
