@@ -135,7 +135,7 @@ def steps(args, tmp: Path) -> list[Step]:
                       [py, "-c", f"raise SystemExit('no kernel case files match {KERNEL_CASES}')"])
     return [
         Step("train_kimi_k2", [py, "-m", "benchmarks.train_step", "--steps", str(args.train_steps),
-                               "--out", str(train_out)], 300, _verify_train_step(train_out)),
+                               "--short-seq-len", "0", "--out", str(train_out)], 300, _verify_train_step(train_out)),
         # optimizer offload's CUDA path (side-stream copies, pinned buffers) and the fp8-ranked
         # indexer that `moerl rl` trains with (train.indexer_fp8) run here
         Step("train_glm5", [_torchtitan(), "train", "--extension", "titan_ext", "--model", "glm5", "--flavor", "tiny",

@@ -12,6 +12,11 @@ dense FFN or its top-k + shared experts and the router, the LM head) + causal at
 beside it. Data: the tiny tokenizer and corpus (`titan_ext.train_config.local_assets`), so no
 download is needed; the token ids only index the embedding.
 
+With `--short-seq-len N` each precision also trains at N tokens (`runs.fp8_short`, `runs.bf16_short`)
+in the same run. Two lengths separate what a step costs per token from what it costs once per step
+(the optimizer step, FSDP's copy-in/out and casts, fp8 weight quantisation: costs that scale with the
+parameters on the GPU, not the tokens); `moerl plan` fits both (`rl_loop/plan/step_time.py`).
+
     python -m benchmarks.train_step --out benchmarks/results/train_step_h200.json
 """
 
@@ -82,7 +87,7 @@ def train(flavor: str, steps: int, seq_len: int, batch: int, fp8: bool, timeout_
         print(log[-6000:], file=sys.stderr)
     timed = [rows[s] for s in sorted(rows) if s > 2]  # steps 1-2: allocator and kernel warm-up
     return {
-        "command": " ".join(cmd), "returncode": proc.returncode, "wall_s": round(time.time() - t0, 1),
+        "command": " ".join(cmd), "seq_len": seq_len, "returncode": proc.returncode, "wall_s": round(time.time() - t0, 1),
         "steps_logged": len(rows), "tps_per_step": [rows[s][0] for s in sorted(rows)],
         "tps_median": statistics.median(t for t, _ in timed) if timed else None,
         "tps_spread": _spread([t for t, _ in timed]),
@@ -101,6 +106,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--timeout-s", type=int, default=240)
     ap.add_argument("--skip-bf16", action="store_true", help="only the fp8 run")
+    ap.add_argument("--short-seq-len", type=int, default=2048,
+                    help="also train each precision at this length (0: not), for the per-step costs (default 2048)")
     args = ap.parse_args()
 
     import titan_ext
@@ -116,8 +123,11 @@ def main() -> None:
                      "tokens_per_step": args.seq_len * args.batch, "train_flops_per_token": flops},
            "dense_bf16_tflops_before": dense_bf16_tflops(), "runs": {}}
     out = ResultsFile(ROOT / args.out)
-    for name, fp8 in (("fp8", True), ("bf16", False))[:1 if args.skip_bf16 else 2]:
-        run = train(args.flavor, args.steps, args.seq_len, args.batch, fp8, args.timeout_s)
+    precisions = (("fp8", True), ("bf16", False))[:1 if args.skip_bf16 else 2]
+    lengths = (("", args.seq_len), ("_short", args.short_seq_len))[:2 if args.short_seq_len else 1]
+    for (name, fp8), (suffix, seq_len) in ((p, n) for p in precisions for n in lengths):
+        name += suffix
+        run = train(args.flavor, args.steps, seq_len, args.batch, fp8, args.timeout_s)
         res["runs"][name] = run
         out.update(res)  # a run cut short keeps what it measured
         print(name, {k: v for k, v in run.items() if k != "log_tail"}, flush=True)
@@ -125,7 +135,7 @@ def main() -> None:
     dense = (res["dense_bf16_tflops_before"] + res["dense_bf16_tflops_after"]) / 2
     for run in res["runs"].values():
         if run["tps_median"]:
-            run["model_tflops"] = flops * run["tps_median"] / 1e12
+            run["model_tflops"] = train_flops_per_token(arch, run["seq_len"]) * run["tps_median"] / 1e12
             run["mfu_vs_measured_dense_bf16"] = run["model_tflops"] / dense
     if {"fp8", "bf16"} <= res["runs"].keys() and res["runs"]["bf16"]["tps_median"] and res["runs"]["fp8"]["tps_median"]:
         res["fp8_speedup_tokens_per_s"] = res["runs"]["fp8"]["tps_median"] / res["runs"]["bf16"]["tps_median"]
