@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
 
+    import titan_ext
+
+    titan_ext.activate()  # the trainer's patches, before rl_loop.plan imports the model specs (and torchtitan)
     from rl_loop.plan.model import load_arch, param_counts
 
     n = param_counts(load_arch("kimi_k2", "bench")).total

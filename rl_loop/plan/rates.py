@@ -7,7 +7,7 @@ default number: a missing file or key is an error naming it.
 The files are the benchmarks' own (benchmarks/results/*.json). moerl ships a copy of the ones
 a plan reads (`SHIPPED`, package data, so `moerl plan` works from an installed wheel);
 `moerl plan --results DIR` reads fresh ones instead. After a benchmark rewrites one, copy it:
-    cp benchmarks/results/{moe_block_h200,weight_sync,weight_reload,train_step_h200,long_context_h200}.json \
+    cp benchmarks/results/{moe_block_h200,weight_sync,weight_reload,train_step_h200,long_context_h200,param_costs_h200}.json \
         rl_loop/plan/measured/
 (tests/unit/test_plan_rates.py fails while the copies differ from benchmarks/results.)
 """
@@ -26,7 +26,9 @@ WEIGHT_SYNC = "weight_sync.json"
 WEIGHT_RELOAD = "weight_reload.json"
 TRAIN_STEP = "train_step_h200.json"
 LONG_CONTEXT = "long_context_h200.json"
-READ = (MOE_BLOCK, WEIGHT_SYNC, WEIGHT_RELOAD, TRAIN_STEP, LONG_CONTEXT)  # the files a plan reads, shipped in SHIPPED
+PARAM_COSTS = "param_costs_h200.json"
+# the files a plan reads, shipped in SHIPPED
+READ = (MOE_BLOCK, WEIGHT_SYNC, WEIGHT_RELOAD, TRAIN_STEP, LONG_CONTEXT, PARAM_COSTS)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,15 @@ class Rates:
         model = re.search(r"--model (\S+)", run["command"]).group(1)
         return (model, d["model"]["flavor"], d["model"]["tokens_per_step"],
                 Rate(run["tps_median"], "tokens/s", f"{TRAIN_STEP}: runs.{name}.tps_median"))
+
+    def per_parameter_seconds(self) -> Rate:
+        """What a step costs once per local parameter, whatever its tokens: TorchTitan's fused AdamW
+        step and FSDP2's copy-in and copy-out casts, each timed alone on one H200 (benchmarks.param_costs)."""
+        pieces = self.file(PARAM_COSTS)["pieces"]
+        names = ("adamw_fused", "copy_in_fp32_to_bf16", "copy_out_bf16_to_fp32")
+        ns = sum(pieces[n]["ns_per_parameter"] for n in names)
+        return Rate(ns * 1e-9, "s per parameter",
+                    " + ".join(f"{PARAM_COSTS}: pieces.{n}.ns_per_parameter" for n in names))
 
     def optimizer_offload_pair(self) -> tuple[str, int, Rate, Rate]:
         """(model, tokens per step, tokens/s without, tokens/s with `--titan_ext.optimizer_offload`) of

@@ -63,7 +63,8 @@ def plan_text(plan: Plan, work: Workload, replica_tokens_per_s: float | None = N
         f"{c.fsdp_reduce_scatter / GB:.1f}, replica all-reduce {c.replica_all_reduce / GB:.1f}, EP all-to-all "
         f"{c.ep_all_to_all / GB:.1f}, CP latent gathers {c.cp_gather / GB:.2f}; weight sync sends {c.weight_sync / GB:.1f}",
         f"  step time (s), {t.sequences_per_rank} sequences per rank: attention {t.attention:.1f}, MoE {t.moe:.1f}, "
-        f"dense+LM head {t.dense:.1f}, AC recompute {t.recompute:.1f}, unmodelled (calibrated) {t.unmodelled:.1f}, "
+        f"dense+LM head {t.dense:.1f}, AC recompute {t.recompute:.1f}, optimizer step + FSDP casts "
+        f"{t.per_parameter:.2f}, unmodelled (calibrated) {t.unmodelled:.1f}, "
         f"EP all-to-all {t.ep_all_to_all:.1f}, "
         f"CP gathers {t.cp_gather:.2f}, FSDP not hidden {t.fsdp_exposed:.1f}, optimizer offload copies "
         f"{t.optimizer_offload:.1f}",

@@ -6,10 +6,12 @@ CP ranks), the MoE blocks at the measured titan_ext block TFLOP/s, the dense FFN
 at the measured dense matmul rate, one more forward under activation checkpointing, plus the EP
 all-to-all and CP gathers (on the critical path), whatever FSDP traffic the compute does not
 hide, and with optimizer-state offload the time the moments' copies add to a step (measured
-for titan_ext's offload by benchmarks.long_context). What these parts leave out (norms, residual adds, the router's top-k, the
-loss, the optimizer step, framework time) is calibrated on a whole training step measured on
-one H200 (benchmarks.train_step): the measured step time minus the same parts predicted for
-that step, per token and layer, added per local token and layer.
+for titan_ext's offload by benchmarks.long_context). The optimizer step and FSDP's copy-in/out
+casts cost the same whatever the tokens: they are charged per local parameter, at the rates
+benchmarks.param_costs measured for each alone. What all these parts leave out (norms, residual
+adds, the router's top-k, the loss, fp8 weight quantisation, framework time) is calibrated on a
+whole training step measured on one H200 (benchmarks.train_step): the measured step time minus
+the same parts predicted for that step, per token and layer, added per local token and layer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StepTime:
     moe: float
     dense: float
     recompute: float
+    per_parameter: float
     unmodelled: float
     ep_all_to_all: float
     cp_gather: float
@@ -40,7 +43,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.attention + self.moe + self.dense + self.recompute + self.unmodelled + self.ep_all_to_all
+        return (self.attention + self.moe + self.dense + self.recompute + self.per_parameter + self.unmodelled
+                + self.ep_all_to_all
                 + self.cp_gather + self.fsdp_exposed + self.optimizer_offload)
 
     def to_dict(self) -> dict:
@@ -105,11 +109,12 @@ def unmodelled_per_token_layer(glm5_arch, fp8: bool, rates: Rates) -> Rate:
     model, flavor, tokens, tps = rates.train_step(fp8)
     arch = load_arch(model, flavor)
     counts = param_counts(arch)
-    parts = compute_parts(arch, glm5_arch, counts, model, fp8, tokens, 1, 1, rates)[:3]
+    parts = sum(compute_parts(arch, glm5_arch, counts, model, fp8, tokens, 1, 1, rates)[:3])
+    parts += counts.total * rates.per_parameter_seconds().value  # every parameter is local on one GPU
     measured = tokens / tps.value
-    return Rate((measured - sum(parts)) / (tokens * counts.n_layers), "s per token-layer",
+    return Rate((measured - parts) / (tokens * counts.n_layers), "s per token-layer",
                 f"{tps.source} ({model} {flavor}, {tokens} tokens, {tps.value:g} tokens/s = {measured:.3f} s "
-                f"against {sum(parts):.3f} s predicted)")
+                f"against {parts:.3f} s predicted)")
 
 
 def host_copy_gbps(rates: Rates) -> Rate:
@@ -136,8 +141,10 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     nvlink = rates.nvlink_collective_gbps(work.model, tokens)
     overhead = unmodelled_per_token_layer(glm5_arch, layout.fp8, rates)
     unmodelled = seqs * tokens * counts.n_layers * overhead.value
+    per_param = rates.per_parameter_seconds()
+    per_parameter = counts.total / (layout.fsdp * layout.cp) * per_param.value
     recompute = 0.0 if layout.ac == "none" else (attention + moe + dense) / 3
-    compute = attention + moe + dense + recompute + unmodelled
+    compute = attention + moe + dense + recompute + per_parameter + unmodelled
     ep_gbps = ep_rate.value if layout.ep <= GPUS_PER_NODE else min(ep_rate.value, work.internode_gbps)
     ep = comm.ep_all_to_all / (ep_gbps * 1e9)
     cp = comm.cp_gather / (link_gbps(layout.cp, nvlink, work.internode_gbps) * 1e9)
@@ -150,6 +157,7 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
     optimizer_offload = 2 * moments / (host.value * 1e9) if work.optim_offload else 0.0
     source = {
         **{k: str(v) for k, v in used.items()}, "unmodelled_per_token_layer": str(overhead),
+        "per_parameter": str(per_param),
         "ep_dispatch_gbps": str(ep_rate), "nvlink_collective_gbps": str(nvlink),
         "internode_gbps": f"{work.internode_gbps:g} GB/s  [--internode-gbps: assumed, no multi-node run here]",
     }
@@ -157,7 +165,8 @@ def step_time(arch, glm5_arch, counts, layout: Layout, work: Workload, comm: Com
         source["host_gbps"] = str(host)
     for p in rates.dsa_points():
         source[f"attention_{p.tokens}"] = f"{p.ms}; {p.indexer_ms}; {p.dense_ms}"
-    return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, unmodelled=unmodelled,
+    return StepTime(attention=attention, moe=moe, dense=dense, recompute=recompute, per_parameter=per_parameter,
+                    unmodelled=unmodelled,
                     ep_all_to_all=ep, cp_gather=cp, fsdp_exposed=max(0.0, fsdp - compute) + replicas,
                     optimizer_offload=optimizer_offload,
                     sequences_per_rank=seqs, rates=source)
