@@ -6,9 +6,9 @@ A step's per-parameter work does not grow with its tokens: AdamW's step (TorchTi
 and copy-out (the bf16 reduce-scatter output into the fp32 gradient: 6 bytes). This times each on
 the parameter count of `kimi_k2 bench` (5.4e9, in 256 Mi-element tensors), next to a plain fp32
 copy that gives the HBM rate a kernel can reach, so each piece's distance from its floor is
-stated. `benchmarks.train_step --short-seq-len` measures the same costs inside a whole step (the
-part of a step that does not scale with tokens); `moerl plan` uses that, and benchmarks/README.md
-says how much of it these pieces explain.
+stated. `moerl plan` charges fused AdamW and both casts per local parameter
+(`rl_loop/plan/rates.py` `per_parameter_seconds`); benchmarks/README.md says how much of a whole
+step (`benchmarks.train_step`) they explain.
 
     python -m benchmarks.param_costs --out benchmarks/results/param_costs_h200.json
 """

@@ -13,9 +13,9 @@ beside it. Data: the tiny tokenizer and corpus (`titan_ext.train_config.local_as
 download is needed; the token ids only index the embedding.
 
 With `--short-seq-len N` each precision also trains at N tokens (`runs.fp8_short`, `runs.bf16_short`)
-in the same run. Two lengths separate what a step costs per token from what it costs once per step
-(the optimizer step, FSDP's copy-in/out and casts, fp8 weight quantisation: costs that scale with the
-parameters on the GPU, not the tokens); `moerl plan` fits both (`rl_loop/plan/step_time.py`).
+in the same run: how much of a step does not shrink with its tokens (the optimizer step and FSDP's
+casts, timed alone by benchmarks.param_costs, and host time). `moerl plan` reads only the full-length
+runs; benchmarks/README.md compares the two.
 
     python -m benchmarks.train_step --out benchmarks/results/train_step_h200.json
 """
