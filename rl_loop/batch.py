@@ -36,6 +36,9 @@ class Sample:
     completion_mask: list[int] | None = None
     error: str | None = None  # set by the task when the rollout failed (e.g. an environment error): rejected
     routing_error: str | None = None  # the server's "<reason>: <detail>" when it returned no routing
+    # The DSA indexer's keys of the same rows ([rows, indexer layers, index top-k], -1 in empty slots), when
+    # the replicas capture them (`train.replay_indexer`).
+    index_keys: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class ModelShape:
     num_moe_layers: int
     top_k: int
     num_experts: int
+    # Indexer replay (`train.replay_indexer`): the DSA layers and their top-k; 0 when off.
+    index_layers: int = 0
+    index_topk: int = 0
 
 
 @dataclass
@@ -53,9 +59,11 @@ class Batch:
     advantages: torch.Tensor  # [B, 1] float32
     replay_ids: torch.Tensor | None  # [B, S-1, L, K] int64
     policy_versions: list[int] = field(default_factory=list)
+    replay_keys: torch.Tensor | None = None  # [B, S-1, indexer layers, index top-k] int64 (`titan_ext.replay`)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("tokens", "mask", "logp_infer", "advantages", "replay_ids", "policy_versions")}
+        return {k: getattr(self, k) for k in ("tokens", "mask", "logp_infer", "advantages", "replay_ids",
+                                              "policy_versions", "replay_keys")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Batch":
@@ -65,13 +73,14 @@ class Batch:
         """This data-parallel rank's rows; the replay ids travel with their tokens."""
         sl = slice(rank, None, world)
         return Batch(self.tokens[sl], self.mask[sl], self.logp_infer[sl], self.advantages[sl],
-                     None if self.replay_ids is None else self.replay_ids[sl], self.policy_versions[sl])
+                     None if self.replay_ids is None else self.replay_ids[sl], self.policy_versions[sl],
+                     None if self.replay_keys is None else self.replay_keys[sl])
 
     def padded(self, multiple: int) -> "Batch":
         """The batch with its S-1 model inputs padded to a multiple of `multiple` (context parallel's
         head-tail layout cuts a sequence into 2 * cp equal chunks). Padded targets are out of the
-        loss (mask 0); padded positions repeat the last token and its expert ids, which are valid
-        ids, and causal attention keeps them from touching the real tokens before them."""
+        loss (mask 0); padded positions repeat the last token, its expert ids and its indexer keys,
+        which are valid there, and causal attention keeps them from touching the real tokens before them."""
         extra = -(self.tokens.size(1) - 1) % multiple
         if not extra:
             return self
@@ -83,7 +92,8 @@ class Batch:
             return torch.cat([x, x.new_zeros(x.size(0), extra, *x.shape[2:])], dim=1)
 
         return Batch(repeat_last(self.tokens), zeros(self.mask), zeros(self.logp_infer), self.advantages,
-                     None if self.replay_ids is None else repeat_last(self.replay_ids), self.policy_versions)
+                     None if self.replay_ids is None else repeat_last(self.replay_ids), self.policy_versions,
+                     None if self.replay_keys is None else repeat_last(self.replay_keys))
 
 
 def reason_kind(reason: str) -> str:
@@ -107,7 +117,30 @@ def routing_error(sample: Sample, shape: ModelShape) -> str | None:
     if r.size and (int(r.min()) < 0 or int(r.max()) >= shape.num_experts):
         return (f"routing record does not fit: expert ids outside [0, {shape.num_experts}): "
                 f"min {int(r.min())}, max {int(r.max())}")
+    if shape.index_topk:
+        return index_keys_error(sample.index_keys, rows, shape)
     return None
+
+
+def index_keys_error(keys: np.ndarray | None, rows: int, shape: ModelShape) -> str | None:
+    """Why a sample's indexer keys cannot be replayed on its `rows` positions, or None when they can
+    (the codec has checked each row's keys against its position)."""
+    if keys is None:
+        return ("no indexer keys: the replicas did not capture them (train.replay_indexer starts them with "
+                "MOERL_INDEXER_KEYS=1; a replica started otherwise sends none)")
+    want = (rows, shape.index_layers, shape.index_topk)
+    if keys.shape != want:
+        return (f"indexer keys do not fit: shape {tuple(keys.shape)}, expected {want} (prompt+completion-1 rows, "
+                "indexer layers, index top-k): the served checkpoint's index_topk or layers differ from the trainer's")
+    return None
+
+
+def dense_index_keys(keys: np.ndarray) -> torch.Tensor:
+    """Indexer keys as the trainer's selection reads them: the empty slots (-1) of rows below top-k
+    hold their column index instead, a key past the query that the attention masks, as the trainer's
+    own top-k leaves there."""
+    cols = np.arange(keys.shape[-1])
+    return torch.from_numpy(np.where(keys < 0, cols, keys).astype(np.int64))
 
 
 def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[Batch | None, list[tuple[int, str]]]:
@@ -145,10 +178,12 @@ def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[
     tokens = torch.full((b, seq), pad_id, dtype=torch.int64)
     mask = torch.zeros(b, seq - 1, dtype=torch.bool)
     logp = torch.zeros(b, seq - 1, dtype=torch.float32)
-    replay = None
+    replay = keys = None
     if shape is not None:
-        # Padding rows replay experts 0..k-1: causal attention keeps them from touching real tokens.
+        # Padding rows replay experts 0..k-1 (and keys 0..k-1): causal attention keeps them from touching real tokens.
         replay = torch.arange(shape.top_k).expand(b, seq - 1, shape.num_moe_layers, shape.top_k).clone()
+        if shape.index_topk:
+            keys = torch.arange(shape.index_topk).expand(b, seq - 1, shape.index_layers, shape.index_topk).clone()
     for j, s in enumerate(kept):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         tokens[j, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
@@ -159,5 +194,7 @@ def pack(samples: list[Sample], shape: ModelShape | None, pad_id: int) -> tuple[
         logp[j, p - 1 : p + c - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
         if replay is not None:
             replay[j, : p + c - 1] = torch.from_numpy(np.ascontiguousarray(s.routing).astype(np.int64))
+        if keys is not None:
+            keys[j, : p + c - 1] = dense_index_keys(s.index_keys)
     adv = torch.tensor([[s.advantage] for s in kept], dtype=torch.float32)
-    return Batch(tokens, mask, logp, adv, replay, [s.policy_version for s in kept]), rejected
+    return Batch(tokens, mask, logp, adv, replay, [s.policy_version for s in kept], keys), rejected

@@ -191,6 +191,10 @@ class TrainConfig:
         True, "a DSA model's (GLM-5) indexer ranks keys from fp8 queries and keys as vLLM's indexer does, so "
               "the trainer attends to the keys the sampler attended to (torchtitan train --titan_ext.indexer_fp8); "
               "no effect on other models")
+    replay_indexer: StrictBool = knob(
+        False, "a DSA model's (GLM-5) attention reads the keys inference's indexer chose: the replicas capture them "
+               "(MOERL_INDEXER_KEYS=1) and the routing record carries them (about 1.6 KB a token and layer at 131k "
+               "and top-2048: docs/glm5.md); needs replay")
     optimizer_offload: StrictBool = knob(
         False, "AdamW's moments in host memory from each forward until the optimizer step (as torchtitan "
                "train --titan_ext.optimizer_offload)")
@@ -213,6 +217,8 @@ class TrainConfig:
         if self.nproc % self.context_parallel:
             raise ValueError(f"context_parallel = {self.context_parallel} does not divide nproc = {self.nproc}: the "
                              "trainer's processes are data parallel x context parallel; set nproc to a multiple")
+        if self.replay_indexer and not self.replay:
+            raise ValueError("replay_indexer = true needs replay = true (the indexer keys travel in the routing record)")
         if self.fp8:
             from titan_ext.models.builder import check_moe_options
 

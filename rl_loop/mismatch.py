@@ -116,18 +116,23 @@ def block_fp8_dequantized(ckpt: Path, model_name: str, out: Path, dtype: str) ->
     return dequantized_copy(fp8, out / "dequantized", getattr(torch, dtype))
 
 
-def sample_completions(cfg: MismatchConfig, served: Path, prompt_ids: list[list[int]]) -> list:
-    """Serve `served` (one vLLM server, stopped before returning) and sample one completion per prompt.
+def sample_completions(cfg: MismatchConfig, served: Path, prompt_ids: list[list[int]],
+                       index_keys: bool = False) -> list:
+    """Serve `served` (one vLLM server, stopped before returning) and sample one completion per prompt;
+    with `index_keys` (a DSA model) the server also captures its indexer's keys into the records.
 
     The server is sized for the longest prompt plus `max_tokens`; a request the checkpoint's
     context cannot hold is refused before the server starts."""
+    from vllm_ext.routing.capture import INDEX_KEYS_ENV
+
     from .replicas import fit_context, served_model_name, start_replica, stop_replica, wait_healthy
     from .rollouts import replica_session, request_group
 
     max_model_len = fit_context(served, max(len(p) for p in prompt_ids), cfg.max_tokens, "--max-tokens")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="moerl-mismatch-"))
     replica = start_replica("mismatch", served, cfg.port, log_dir, dtype=cfg.dtype,
-                            max_model_len=max_model_len, max_num_seqs=cfg.concurrency)
+                            max_model_len=max_model_len, max_num_seqs=cfg.concurrency,
+                            env={INDEX_KEYS_ENV: "1"} if index_keys else None)
     try:
         wait_healthy([replica], timeout_s=cfg.startup_timeout_s)
         model_name = served_model_name(replica)
@@ -194,8 +199,9 @@ class PassResult:
     replay_disagreement: list[list[float | None]]  # per micro-batch, disagreement_by_layer
 
 
-def trainer_pass(model, batches: list, *, replay: bool) -> PassResult:
-    from titan_ext.replay import disagreement_by_layer, moe_routers, replay_routing
+def trainer_pass(model, batches: list, *, replay: bool, replay_keys: bool = False) -> PassResult:
+    """One forward over `batches`: routing replayed when `replay`, the indexer's keys too when `replay_keys`."""
+    from titan_ext.replay import disagreement_by_layer, moe_routers, replay_index_keys, replay_routing
 
     probe = _RouterProbe(moe_routers(model))
     res = PassResult([], [], [])
@@ -203,7 +209,8 @@ def trainer_pass(model, batches: list, *, replay: bool) -> PassResult:
         for b in batches:
             inputs = b.tokens[:, :-1]
             probe.record_BSLK = b.replay_ids
-            with torch.no_grad(), replay_routing(model, b.replay_ids if replay else None) as routers:
+            with torch.no_grad(), replay_routing(model, b.replay_ids if replay else None) as routers, \
+                    replay_index_keys(model, b.replay_keys if replay_keys else None):
                 logits = model(inputs)
                 res.replay_disagreement.append(disagreement_by_layer(routers) if replay else [])
             res.logp.append(token_logprobs(logits.float(), b.tokens[:, 1:]))
@@ -284,9 +291,13 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
     # a DSA model (GLM-5): once more with its indexer ranking as vLLM's (fp8), which the floor keeps
     with recorded_selections(model) as vllm_keys:
         matched = trainer_pass(model, batches, replay=True) if set_indexer_fp8_ranking(model, True) else None
+    # and once replaying the keys vLLM's indexer chose (the samples carry them: `sample_completions`);
+    # then the floor replays them too, so it compares the same attention in fp32 and bf16
+    keys = matched is not None and batches[0].replay_keys is not None
+    replayed = trainer_pass(model, batches, replay=True, replay_keys=True) if keys else None
     bf16_model = bf16_params_copy(model)
     with recorded_selections(bf16_model) as bf16_keys:
-        bf16_replay = trainer_pass(bf16_model, batches, replay=True)
+        bf16_replay = trainer_pass(bf16_model, batches, replay=True, replay_keys=keys)
     del bf16_model
 
     no_replay = {**_k3_stats(comp(fp32_own), infer), **_routing_stats(fp32_own.differs, masks)}
@@ -295,14 +306,21 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
     n_tok = torch.tensor([b.tokens[:, :-1].numel() for b in batches], dtype=torch.float64)
     per_batch = torch.tensor(fp32_replay.replay_disagreement, dtype=torch.float64)  # [batches, L]
     replay["router_disagreement_titan_ext"] = ((per_batch * n_tok[:, None]).sum(0) / n_tok.sum()).tolist()
-    best = matched or fp32_replay
+    best = replayed or matched or fp32_replay
     floor = _k3_stats(comp(best), comp(bf16_replay))  # fp32 trainer vs its own bf16 twin
     floor_routing = _routing_stats(bf16_replay.differs, masks)
     indexer = {} if matched is None else {
         "replay_indexer_fp8": {**_k3_stats(comp(matched), infer), **_routing_stats(matched.differs, masks)},
         # (token, indexer layer) pairs whose key set differs from the fp8 ranking's (vLLM's numerics)
         "indexer_keys_differ": {"model_dtype": _sets_differ(own_keys, vllm_keys),
-                                "bf16_twin": _sets_differ(bf16_keys, vllm_keys)}}
+                                **({} if keys else {"bf16_twin": _sets_differ(bf16_keys, vllm_keys)})}}
+    if replayed is not None:
+        indexer["replay_indexer"] = {**_k3_stats(comp(replayed), infer), **_routing_stats(replayed.differs, masks)}
+        # the fp8-ranking trainer's keys against the ones vLLM's indexer chose, for the same tokens
+        # (recorded per batch, per indexer layer, as `recorded_selections` lists them)
+        captured = [b.replay_keys[:, :, i, :] for b in batches for i in range(b.replay_keys.size(2))]
+        captured = [c[..., :v.size(-1)] for c, v in zip(captured, vllm_keys, strict=True)]
+        indexer["indexer_keys_differ"]["matched_vs_served"] = _sets_differ(vllm_keys, captured)
     return {
         "no_replay": no_replay,
         "replay": replay,
@@ -314,6 +332,11 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
         "num_rejected": len(rejected),
         "rejected_examples": [r for _, r in rejected[:3]],
     }, sum(len(b.tokens) for b in batches)
+
+
+def _has_indexer(arch) -> bool:
+    """A DSA model (GLM-5); other architectures have no `has_indexer`."""
+    return bool(getattr(arch, "has_indexer", False))
 
 
 def _versions() -> dict:
@@ -330,7 +353,7 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
     """Sample, measure, write `cfg.json_out`; returns the report (one entry of the benchmark schema)."""
     from transformers import AutoTokenizer
 
-    from titan_ext.checkpoint import config_json, load_hf_checkpoint, model_of_checkpoint
+    from titan_ext.checkpoint import config_json, load_hf_checkpoint, model_of_checkpoint, read_arch
 
     if cfg.served_weights not in get_args(ServedWeights):
         raise ValueError(f"unknown served weights {cfg.served_weights!r}; choose one of {get_args(ServedWeights)}")
@@ -347,14 +370,15 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
             served_quantization = config_json(Path(work) / "block-fp8")["quantization_config"]
         else:
             served_quantization = config_json(ckpt).get("quantization_config")
-        completions = sample_completions(cfg, served, prompt_ids)
+        completions = sample_completions(cfg, served, prompt_ids, index_keys=_has_indexer(read_arch(ckpt, model_name)))
     t_sample = time.perf_counter() - t0
 
     torch.manual_seed(cfg.seed)
     model, arch = load_hf_checkpoint(ckpt, model_name)
-    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
+    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts,
+                       *((arch.n_layers, arch.index_topk) if _has_indexer(arch) else ()))
     samples = [Sample(prompt_ids=p, completion_ids=c.completion_ids, logprobs=c.logprobs, reward=0.0, group=i,
-                      routing=c.routing) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
+                      routing=c.routing, index_keys=c.index_keys) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     figures, n_used = measure(model, samples, shape, pad_id, cfg.batch_size)
     lengths = [len(c.completion_ids) for c in completions]
@@ -379,6 +403,8 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
         **({} if "replay_indexer_fp8" not in figures else {
             "kl_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_mean"],
             "kl_max_replay_indexer_fp8": figures["replay_indexer_fp8"]["kl_max"],
+            "kl_replay_indexer": figures["replay_indexer"]["kl_mean"],
+            "kl_max_replay_indexer": figures["replay_indexer"]["kl_max"],
             "indexer_keys_differ": figures["indexer_keys_differ"]}),
         "kl_no_replay": nr["kl_mean"],
         "kl_replay": r["kl_mean"],

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ from .rollouts import RolloutContext, generate_group, replica_session
 from .tasks import get_task, group_samples, is_episodic
 from .tools.parsing import DEFAULT_PARSERS, tool_metrics
 from .tools.sandbox import SandboxLimits
+from vllm_ext.routing.capture import INDEX_KEYS_ENV
 from vllm_ext.routing.handoff import sweep_dead_servers
 from vllm_ext.transport.client import Replica as ClientReplica, ShardedUpdate, push_fs
 from vllm_ext.transport.shm import sweep
@@ -177,6 +178,8 @@ class Orchestrator:
         self.replicas = []
         for i in range(c.replicas):
             extra, env = kv_args(c.base_port + i)
+            if self.cfg.train.replay_indexer:
+                env = {**env, INDEX_KEYS_ENV: "1"}
             self.replicas.append(start_replica(
                 f"r{i}", init, c.base_port + i, self.run_dir / "replicas", dtype=self.cfg.model.inference_dtype,
                 max_num_seqs=c.max_num_seqs, kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra,
@@ -235,7 +238,7 @@ class Orchestrator:
             for comp in completions:
                 reward = self.task.reward(prompt, tokenizer.decode(comp.completion_ids))
                 samples.append(Sample(ids, comp.completion_ids, comp.logprobs, reward, g, version, comp.routing,
-                                      routing_error=comp.routing_error))
+                                      routing_error=comp.routing_error, index_keys=comp.index_keys))
         return Rollouts(samples, t1 - t0, time.perf_counter() - t1, counters)
 
     def build_batch(self, rollouts: Rollouts, step: int, shape: ModelShape | None,
@@ -381,6 +384,11 @@ class Orchestrator:
                              f"checkpoint's context of {context} tokens (max_position_embeddings in "
                              f"{init / 'config.json'}); lower rollout.max_tokens below {context}")
         shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
+        if self.cfg.train.replay_indexer:
+            if not getattr(arch, "has_indexer", False):
+                raise ValueError(f"train.replay_indexer = true, but {init} has no DSA indexer (GLM-5 has); "
+                                 "set train.replay_indexer = false")
+            shape = replace(shape, index_layers=arch.n_layers, index_topk=arch.index_topk)
         reporter = Reporter(self.run_dir, resume_step=start)
         self.lane = self.pick_lane(init)
         if self.placement:
@@ -448,6 +456,8 @@ class Orchestrator:
                         "extreme_frac": metrics["extreme_frac"], "masked_frac": metrics["masked_frac"],
                         "entropy": metrics["entropy_mean"],
                         "router_disagreement": metrics.get("router_disagreement"), "loss": metrics["loss"],
+                        **({"indexer_disagreement": metrics.get("indexer_disagreement")}
+                           if self.cfg.train.replay_indexer else {}),
                         "gen_s": ro.generate_s, "score_s": ro.score_s, "train_s": metrics["train_s"],
                         "sync_s": sync_s, "wait_s": wait_s, "trainer_wait_s": metrics["wait_s"],
                         "step_s": time.perf_counter() - t_step, "samples": len(fresh),

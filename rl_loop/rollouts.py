@@ -41,6 +41,7 @@ class Completion:
     routing: np.ndarray | None  # rows from the request's routing start on
     finish_reason: str | None = None
     routing_error: str | None = None  # the server's "<reason>: <detail>" when it returned no routing
+    index_keys: np.ndarray | None = None  # the DSA indexer's keys of the same rows, when the server captures them
 
 
 class GroupFailed(RuntimeError):
@@ -52,14 +53,15 @@ def parse_choice(choice: dict, routing_start: int = 0) -> Completion:
     lp = choice.get("logprobs") or {}
     tokens = lp.get("tokens") or []
     ids = [int(t.split(":", 1)[1]) for t in tokens]
-    routing = None
+    routing = index_keys = None
     if choice.get("routed_experts"):
         record = decode_record_b64(choice["routed_experts"])
         if record.start != routing_start:
             raise ValueError(f"routing record starts at position {record.start}, expected {routing_start}")
         routing = record.expert_ids
+        index_keys = None if record.index_keys is None else record.index_keys.keys
     return Completion(ids, [float(x) for x in lp.get("token_logprobs") or []], choice.get("text", ""), routing,
-                      choice.get("finish_reason"), choice.get("routed_experts_error"))
+                      choice.get("finish_reason"), choice.get("routed_experts_error"), index_keys)
 
 
 def completion_body(model: str, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float, seed: int,
@@ -170,6 +172,7 @@ class Conversation:
         self.rows_per_turn: list[int] = []  # routing rows each turn's response carried (only the new positions)
         self.policy_version: int | None = None
         self._rows: list[np.ndarray] = []
+        self._keys: list[np.ndarray] | None = []  # indexer keys per turn; None once a turn came without
         self._routed = True
         self.routing_error: str | None = None  # the server's reason of the first turn that came without routing
 
@@ -206,6 +209,10 @@ class Conversation:
                 raise ValueError(f"turn {self.turns}: routing has {comp.routing.shape[0]} rows for positions "
                                  f"[{routing_start}, {end}) ({end - routing_start} expected)")
             self._rows.append(comp.routing)
+            if comp.index_keys is None:
+                self._keys = None
+            elif self._keys is not None:
+                self._keys.append(comp.index_keys)
         self.rows_per_turn.append(0 if comp.routing is None else int(comp.routing.shape[0]))
         self.received = end
 
@@ -215,10 +222,16 @@ class Conversation:
             return None
         return np.concatenate(self._rows, axis=0)
 
+    def index_keys(self) -> np.ndarray | None:
+        """The stitched indexer keys (as `routing`), or None if a turn came without them."""
+        if self.routing() is None or not self._keys:
+            return None
+        return np.concatenate(self._keys, axis=0)
+
     def sample(self, reward: float, group: int) -> Sample:
         return Sample(self.prompt_ids, self.completion_ids, list(self.logprobs), float(reward), group,
                       self.policy_version or 0, self.routing(), completion_mask=list(self.mask),
-                      routing_error=self.routing_error)
+                      routing_error=self.routing_error, index_keys=self.index_keys())
 
 
 @dataclass

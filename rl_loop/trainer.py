@@ -101,7 +101,7 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
     rank's positions (`rl_loop.chunked_loss`; the sequence is padded to equal chunks).
     """
     from titan_ext.models.context_parallel import sequence_shards
-    from titan_ext.replay import disagreement_by_layer, replay_routing, shard_replay_ids
+    from titan_ext.replay import disagreement_by_layer, replay_index_keys, replay_routing, shard_replay_ids
 
     from .chunked_loss import chunk_count, chunked_policy_loss
 
@@ -118,7 +118,9 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
     part = (batch.tokens[:, :-1], batch.tokens[:, 1:], batch.mask, batch.logp_infer, padding)
     inputs, targets, mask, logp_infer, padding = part if shards is None else shards.shard(*part)
     replay_ids = shard_replay_ids(model, batch.replay_ids) if replay else None
-    with replay_routing(model, replay_ids, padding) as routers:
+    replay_keys = shard_replay_ids(model, batch.replay_keys) if replay and batch.replay_keys is not None else None
+    with replay_routing(model, replay_ids, padding) as routers, \
+            replay_index_keys(model, replay_keys, batch.mask.size(1)) as indexers:
         if loss_chunk_tokens:
             model._skip_lm_head = True  # TorchTitan's Decoder then returns the normed hidden states
             try:
@@ -133,6 +135,7 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
             out.entropy_mean = (entropy * mask).sum().item() / max(out.num_tokens, 1)
         out.loss.backward()
     disagreement = [d for d in disagreement_by_layer(routers) if d is not None]
+    index_disagreement = [m.disagreement for m in indexers if m.disagreement is not None]
     return {
         "loss": out.loss.item(),
         "tokens": out.num_tokens,
@@ -142,6 +145,8 @@ def rl_step(model: torch.nn.Module, batch: Batch, loss_config: LossConfig, *, re
         "masked_frac": out.masked_frac,
         "entropy_mean": out.entropy_mean,
         "router_disagreement": sum(disagreement) / len(disagreement) if disagreement else None,
+        # replaying indexer keys: how often the trainer's own indexer would have chosen other keys
+        "indexer_disagreement": sum(index_disagreement) / len(index_disagreement) if index_disagreement else None,
     }
 
 

@@ -225,10 +225,11 @@ class HFReference:
 
 
 @contextmanager
-def transformers_dsa_indexer_as_vllm(model) -> Iterator[None]:
+def transformers_dsa_indexer_as_vllm(model) -> Iterator[list]:
     """The indexers of a transformers GLM-5 `model` ranking keys as vLLM does (fp8 keys and queries,
     `vllm_ext.dsa.ops`) instead of in the model's dtype: the reference that isolates everything but
-    the indexer's numerics. Single-sequence forwards without a cache, as the tests run them."""
+    the indexer's numerics. Single-sequence forwards without a cache, as the tests run them. Yields
+    the list every indexer call appends its choice to (`[seq, topk]` key positions, -1 empty)."""
     import types
 
     import torch
@@ -249,15 +250,17 @@ def transformers_dsa_indexer_as_vllm(model) -> Iterator[None]:
         k_fp8, k_scale = ops.quantize_index_keys(k)
         picked = ops.rank_keys(q, self.weights_proj(hidden_states)[0], k_fp8, k_scale, torch.arange(seq),
                                self.index_topk, self.softmax_scale)
+        picks.append(picked)
         # transformers scatters the indices into a mask; an empty slot (-1) repeats key 0, always selected
         return picked.clamp_min(0)[None]
 
     indexers = [m for m in model.modules() if isinstance(m, hf.GlmMoeDsaIndexer)]
     assert indexers, "not a GLM-5 (glm_moe_dsa) model"
+    picks: list = []
     for m in indexers:
         m.forward = types.MethodType(forward, m)
     try:
-        yield
+        yield picks
     finally:
         for m in indexers:
             del m.forward

@@ -1,4 +1,5 @@
-"""Router replay (R3): the trainer routes each token to the experts inference chose.
+"""Router replay (R3): the trainer routes each token to the experts inference chose, and (for a
+DSA model, `replay_index_keys`) attends to the keys inference's indexer chose.
 
 In MoE RL the trainer's own top-k differs from the inference engine's for a few
 percent of (token, layer) pairs, so the probabilities it trains on are not the
@@ -161,3 +162,49 @@ def replay_routing(model: torch.nn.Module, ids_BLNK: torch.Tensor | None,
 def disagreement_by_layer(routers: list[ReplayRouter]) -> list[float | None]:
     """Per MoE layer, the fraction of tokens whose own choice differed from the replayed one."""
     return [r.disagreement for r in routers]
+
+
+def index_layers(model: torch.nn.Module) -> list:
+    """The model's DSA indexers (`LightningIndexer`), in layer order (none for a dense-attention model)."""
+    from .models.glm5.dsa import LightningIndexer
+
+    return [m for m in model.modules() if isinstance(m, LightningIndexer)]
+
+
+def check_replay_keys(keys: torch.Tensor, *, seq_len: int, num_layers: int, topk: int) -> None:
+    """Raise ReplayRecordError saying what is wrong with indexer keys `[batch, seq, layers, topk]`
+    for sequences of `seq_len` positions (a key is a position of the same sequence)."""
+    if keys.dtype.is_floating_point or keys.dtype == torch.bool:
+        raise ReplayRecordError(f"indexer keys must be integers, got {keys.dtype}")
+    if keys.dim() != 4 or tuple(keys.shape[2:]) != (num_layers, topk):
+        raise ReplayRecordError(
+            f"indexer keys have shape {tuple(keys.shape)}, expected [batch, seq, {num_layers}, {topk}] (indexer "
+            "layers, index top_k): the record does not belong to this model"
+        )
+    if keys.numel():
+        lo, hi = torch.stack(torch.aminmax(keys)).tolist()
+        if lo < 0 or hi >= max(seq_len, topk):
+            raise ReplayRecordError(f"indexer keys must be positions in [0, {seq_len}); got min {lo}, max {hi}")
+
+
+@contextmanager
+def replay_index_keys(model: torch.nn.Module, keys_BLNK: torch.Tensor | None,
+                      seq_len: int | None = None) -> Iterator[list]:
+    """Replay the indexer keys `keys_BLNK` ([batch, seq, indexer layers, index top_k], this rank's
+    positions: `shard_replay_ids` shards them as expert ids) in the forwards run inside this block.
+
+    `None` lets the indexers choose. `seq_len` (the whole sequence's, under context parallel)
+    bounds the keys; it defaults to the keys' own length."""
+    indexers = index_layers(model)
+    if keys_BLNK is not None:
+        if not indexers:
+            raise ReplayRecordError("indexer keys given, but the model has no DSA indexer (GLM-5 has)")
+        check_replay_keys(keys_BLNK, seq_len=seq_len or keys_BLNK.size(1), num_layers=len(indexers),
+                          topk=indexers[0].topk)
+        for i, m in enumerate(indexers):
+            m.replay_keys_BLK = keys_BLNK[:, :, i, :]
+    try:
+        yield indexers
+    finally:
+        for m in indexers:
+            m.replay_keys_BLK = None

@@ -33,7 +33,7 @@ import numpy as np
 
 from .metrics import routing_missing
 from .routing.missing import ENCODE_FAILED, RoutingMissing
-from .routing.record import RoutingRecord, encode_record_b64
+from .routing.record import IndexKeys, RoutingRecord, encode_record_b64
 
 logger = logging.getLogger("vllm_ext.routing")
 
@@ -78,8 +78,9 @@ def moe_layer_indices(hf_config: Any, num_moe_layers: int | None = None) -> tupl
     return tuple(layers)
 
 
-def encode_rows(rows: np.ndarray, hf_config: Any, start: int) -> str:
-    """Captured rows of one choice -> the base64 payload for the response.
+def encode_rows(rows: np.ndarray, hf_config: Any, start: int, index_keys: np.ndarray | None = None) -> str:
+    """Captured rows of one choice (and the DSA indexer's keys `[rows, layers, index_topk]`, when
+    captured) -> the base64 payload for the response.
 
     vLLM's own capture (GPU, Model Runner V2) returns every decoder layer,
     dense ones as zeros: those columns are dropped, so the record is the same
@@ -87,7 +88,13 @@ def encode_rows(rows: np.ndarray, hf_config: Any, start: int) -> str:
     layers, num_experts, num_layers = _routing_shape(hf_config)
     if rows.shape[1] != len(layers) and rows.shape[1] == num_layers:
         rows = rows[:, list(layers)]
-    return encode_record_b64(RoutingRecord(rows, layers, num_experts, start))
+    keys = None
+    if index_keys is not None:
+        if index_keys.shape[1] != num_layers:
+            raise ValueError(f"indexer keys have {index_keys.shape[1]} layer columns; the model has {num_layers} "
+                             "decoder layers, each with an indexer")
+        keys = IndexKeys(index_keys, tuple(range(num_layers)), int(index_keys.shape[2]))
+    return encode_record_b64(RoutingRecord(rows, layers, num_experts, start, keys))
 
 
 _shapes: dict[int, tuple[Any, tuple[tuple[int, ...], int, int]]] = {}
@@ -131,7 +138,8 @@ def _routing_fields(output: Any, prompt_len: int, request: Any, hf_config: Any) 
     if not isinstance(arr, _Encoded):
         try:
             arr = output.routed_experts = _Encoded(encode_rows(np.asarray(arr), hf_config,
-                                                               _prompt_start(request, prompt_len)))
+                                                               _prompt_start(request, prompt_len),
+                                                               getattr(output, "moerl_index_keys", None)))
         except ValueError as exc:
             mark_missing(output, RoutingMissing(ENCODE_FAILED, f"cannot encode the routing record: {exc}"))
             return {ERROR_FIELD: getattr(output, ERROR_FIELD)}

@@ -17,7 +17,8 @@ All no-ops for anything but routing:
   ``CompletionOutput.routed_experts``, where vLLM's own capture would have
   put them, so ``vllm_ext.api`` encodes either the same way; rows that cannot
   be read, or a capture that is off, mark the output's routing missing with
-  the reason (``vllm_ext.api.mark_missing``).
+  the reason (``vllm_ext.api.mark_missing``); with ``MOERL_INDEXER_KEYS=1``
+  the indexer's keys too, into ``CompletionOutput.moerl_index_keys``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import patches
 
 from .api import mark_missing
 from .routing import capture
+from .routing.capture import INDEX_KIND
 from .routing.handoff import capture_off_reason, capture_on, read_rows, remove_markers, server_token
 from .routing.missing import CAPTURE_OFF, RoutingMissing
 
@@ -79,6 +81,7 @@ def load_model(orig):
 
 def new_completion_output(orig):
     token = server_token()
+    index_keys = capture.index_keys_enabled()
     atexit.register(remove_markers, token)
 
     @functools.wraps(orig)
@@ -89,6 +92,8 @@ def new_completion_output(orig):
                 end = self.prompt_len + self.detokenizer.num_output_tokens() - 1
                 try:
                     out.routed_experts = read_rows(token, self.request_id, end)[1]
+                    if index_keys:
+                        out.moerl_index_keys = read_rows(token, self.request_id, end, INDEX_KIND)[1]
                 except RoutingMissing as exc:
                     mark_missing(out, exc)
             elif (why := capture_off_reason(token)) is not None:

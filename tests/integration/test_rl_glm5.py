@@ -2,12 +2,16 @@
 attention (`vllm_ext.dsa`), router replay, sharded weight sync on the shm lane, checkpoints, --resume.
 
 The short run keeps the config and changes only what makes it short and exact: one replica, 2 steps
-of 4x4 samples, no off-policy step, fp32 on both sides. In fp32, with the trainer's indexer ranking
-keys as vLLM's (`train.indexer_fp8`, on by default), the trainer reproduces the sampler, before and
-after a weight sync: k3 at the fp32 floor (2e-10 measured), except where a query or key sits on an
-fp8 rounding boundary and the fp32 rounding of the two programs quantizes it apart, so the two pick
-another key from there on (2 of 12 sampled 60-token sequences measured). A step's mean k3 stays far
-below the 8e-2 of an indexer ranking in fp32 (`moerl mismatch`, benchmarks/results/glm5_mismatch.json).
+of 4x4 samples, no off-policy step, fp32 on both sides.
+
+* As configured (`train.replay_indexer`: the replicas capture the indexer's keys, the trainer attends
+  to them), the trainer reproduces the sampler at every step, before and after a weight sync: k3 at
+  the fp32 floor.
+* The trainer's own indexer, ranking keys as vLLM's (`train.indexer_fp8`, on by default), still runs
+  beside the replay and picks the same keys (`indexer_disagreement`), except where a query or key
+  sits on an fp8 rounding boundary and the fp32 rounding of the two programs quantizes it apart, so
+  the two pick another key from there on (2 of 12 sampled 60-token sequences measured). Without the
+  replay that is the residual mismatch (`moerl mismatch`, benchmarks/results/glm5_mismatch.json).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from tests.ports import free_ports
 pytestmark = pytest.mark.slow
 
 FP32_K3 = 1e-6  # per-token k3 between two fp32 forwards of the same model (2e-10 measured)
-BOUNDARY_K3_MEAN = 5e-3  # a step's mean with a boundary flip or two (4e-4 over 64 samples measured)
 
 
 def _moerl_rl(run_dir, *extra: str, port: int) -> list[dict]:
@@ -46,18 +49,18 @@ def run(tmp_path_factory):
     return first, resumed
 
 
-def test_moerl_rl_trains_glm5_and_the_trainer_reproduces_the_sampler(run):
+def test_moerl_rl_trains_glm5_replaying_the_indexers_keys_at_the_fp32_floor(run):
     first, resumed = run
     assert [r["step"] for r in first] == [1, 2]
-    for r in first:
+    for r in resumed:
         assert r["samples"] > 0 and not r["rejected"] and r["policy_lag"] == 0
-        assert r["k3_mean"] < BOUNDARY_K3_MEAN and r["router_disagreement"] < 0.05, r
-    exact = [r["step"] for r in resumed if r["k3_max"] < FP32_K3 and r["router_disagreement"] == 0.0]
-    assert exact, "no step at the fp32 floor: the trainer does not compute what the sampler did"
+        assert r["k3_max"] < FP32_K3 and r["router_disagreement"] == 0.0, r
+        # the trainer's own fp8 ranking agrees with the replayed keys but for boundary flips
+        assert r["indexer_disagreement"] is not None and r["indexer_disagreement"] < 0.05, r
 
 
 def test_a_resumed_glm5_run_continues_from_its_checkpoint(run):
     first, resumed = run
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert resumed[:2] == first, "the resumed run appends to the metrics of the first"
-    assert resumed[2]["k3_mean"] < BOUNDARY_K3_MEAN and resumed[2]["replica_versions"] == {"r0": 3}
+    assert resumed[2]["k3_max"] < FP32_K3 and resumed[2]["replica_versions"] == {"r0": 3}

@@ -10,8 +10,11 @@ from titan_ext.checkpoint import load_hf_checkpoint
 from titan_ext.replay import moe_routers
 
 
-def _self_samples(model, arch, n=6, prompt=5, completion=7):
-    """Token sequences with the model's own fp32 logprobs and routing as the 'inference' side."""
+def _self_samples(model, arch, n=6, prompt=5, completion=7, index_keys=False):
+    """Token sequences with the model's own fp32 logprobs and routing as the 'inference' side (and, with
+    `index_keys`, its indexer's keys as a record carries them: key positions, -1 past the query)."""
+    from titan_ext.models.glm5.dsa import recorded_selections
+
     gen = torch.Generator().manual_seed(0)
     samples = []
     for i in range(n):
@@ -19,14 +22,19 @@ def _self_samples(model, arch, n=6, prompt=5, completion=7):
         tokens = torch.randint(3, arch.vocab_size, (1, p + completion), generator=gen)
         own = []
         hooks = [r.register_forward_hook(lambda m, a, o: own.append(o[1])) for r in moe_routers(model)]
-        with torch.no_grad():
+        with torch.no_grad(), recorded_selections(model) as picks:
             logits = model(tokens[:, :-1])
         for h in hooks:
             h.remove()
         logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[0, :, 0]
         routing = torch.stack(own, dim=2)[0].numpy()  # [p + c - 1, L, K]
+        keys = None
+        if index_keys:
+            keys = torch.stack(picks, dim=2)[0]  # [p + c - 1, L, topk]
+            keys = torch.where(keys <= torch.arange(keys.size(0))[:, None, None], keys, -1).numpy()
         samples.append(Sample(prompt_ids=tokens[0, :p].tolist(), completion_ids=tokens[0, p:].tolist(),
-                              logprobs=logp[p - 1:].tolist(), reward=0.0, group=i, routing=routing))
+                              logprobs=logp[p - 1:].tolist(), reward=0.0, group=i, routing=routing,
+                              index_keys=keys))
     return samples
 
 
@@ -93,3 +101,19 @@ def test_a_dsa_model_gets_the_fp8_indexer_row_and_its_key_set_differences(tiny_c
     differ = figures["indexer_keys_differ"]
     assert 0.0 < differ["model_dtype"] < 1.0 and 0.0 <= differ["bf16_twin"] < 1.0
     assert set_indexer_fp8_ranking(model, False) == arch.n_layers  # every layer has an indexer
+
+
+def test_replaying_the_samplers_indexer_keys_removes_what_the_fp8_ranking_cannot(tiny_checkpoint):
+    """The sampler stand-in ranks keys in fp32 and its samples carry the keys it chose: the trainer ranking
+    in fp8 picks other keys for some tokens, replaying the carried keys is exact (the fourth row), and the
+    floor is then fp32 against bf16 with the same keys."""
+    ckpt = tiny_checkpoint("glm5", 0.1)
+    sampler, arch = load_hf_checkpoint(ckpt, "glm5")
+    samples = _self_samples(sampler, arch, n=4, prompt=24, completion=12, index_keys=True)
+    model, _ = load_hf_checkpoint(ckpt, "glm5")
+    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts, arch.n_layers, arch.index_topk)
+    figures, used = measure(model, samples, shape, pad_id=2, batch_size=2)
+    assert used == 4 and figures["num_rejected"] == 0
+    assert figures["replay_indexer"]["kl_max"] < 1e-9 < figures["replay_indexer_fp8"]["kl_max"]
+    assert 0.0 < figures["indexer_keys_differ"]["matched_vs_served"] < 1.0
+    assert figures["floor"]["kl_mean"] > 0.0

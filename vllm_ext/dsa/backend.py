@@ -173,6 +173,9 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
         buffer[a:b, : self.topk_tokens] = ops.rank_keys(q[a:b], weights[a:b], values[blk, off], scales[blk, off],
                                                         meta.position_of_token[a:b], self.topk_tokens,
                                                         self.softmax_scale)
+    capture = getattr(self, "_moerl_index_capture", None)  # `vllm_ext.routing.capture.IndexKeysCapture`
+    if capture is not None:
+        capture(buffer[:n, : self.topk_tokens])
     return buffer
 
 

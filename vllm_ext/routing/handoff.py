@@ -95,8 +95,11 @@ def server_token() -> str:
     return tok
 
 
-def segment_name(token: str, req_id: str) -> str:
-    return f"moerl-r3-{token}-{hashlib.blake2b(req_id.encode(), digest_size=12).hexdigest()}"
+def segment_name(token: str, req_id: str, kind: str = "") -> str:
+    """The segment of a request's rows; `kind` names a second kind of rows ("index": the DSA
+    indexer's keys) kept beside the expert ids."""
+    key = f"{kind}:{req_id}" if kind else req_id
+    return f"moerl-r3-{token}-{hashlib.blake2b(key.encode(), digest_size=12).hexdigest()}"
 
 
 def _server_pid(name: str) -> int | None:
@@ -170,7 +173,7 @@ def capture_off_reason(token: str) -> str | None:
 
 
 def _dtype_of(itemsize: int) -> np.dtype:
-    return np.dtype({1: np.uint8, 2: np.uint16}[itemsize])
+    return np.dtype({1: np.uint8, 2: np.uint16, 4: np.int32}[itemsize])
 
 
 class RowsSegment:
@@ -259,18 +262,18 @@ def _parse_header(name: str, head: bytes, size: int) -> tuple[int, int, int, int
     if len(head) < _HEADER.size:
         raise RoutingMissing(BAD_SEGMENT, f"routing segment {name} is truncated ({size} bytes)")
     magic, start, capacity, layers, top_k, itemsize = _HEADER.unpack(head)
-    if magic != _MAGIC or itemsize not in (1, 2) or size != RowsSegment._size(capacity, layers, top_k, itemsize):
+    if magic != _MAGIC or itemsize not in (1, 2, 4) or size != RowsSegment._size(capacity, layers, top_k, itemsize):
         raise RoutingMissing(BAD_SEGMENT, f"routing segment {name} is not a moerl rows segment of the expected size")
     return start, capacity, layers, top_k, _dtype_of(itemsize)
 
 
-def read_rows(token: str, req_id: str, end: int) -> tuple[int, np.ndarray]:
-    """API-server side: the finished request's rows ``[start, end)``, then unlink.
+def read_rows(token: str, req_id: str, end: int, kind: str = "") -> tuple[int, np.ndarray]:
+    """API-server side: the finished request's rows ``[start, end)`` (of `kind`), then unlink.
 
     Reads with pread (no mapping: cheaper for one read). Raises RoutingMissing
     (with its reason) when the rows were not reserved, the segment is gone or
     malformed, or a row was never written."""
-    name = segment_name(token, req_id)
+    name = segment_name(token, req_id, kind)
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:

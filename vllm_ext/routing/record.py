@@ -25,6 +25,10 @@ possible without a compiled extension. When rows repeat (skewed routing, or
 the same prompt across tokens) a per-layer dictionary scheme is used instead:
 distinct rows once, then a small index per row.
 
+A record of a DSA model (GLM-5) may also carry the indexer's selected keys
+(``index_keys``, coded in ``index_keys.py``): a section after the ids, flagged
+in the header.
+
 Every payload ends with a CRC32 and every field is checked at decode, so a
 malformed, truncated or out-of-range payload raises :class:`ValueError`
 saying what was wrong instead of yielding a silently wrong record.
@@ -46,7 +50,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .index_keys import IndexKeys
+
 __all__ = [
+    "IndexKeys",
     "RoutingRecord",
     "encode_record",
     "decode_record",
@@ -68,7 +75,9 @@ SCHEME_DICT = 2  # per-layer dictionary of distinct rows + per-row index
 HI_RANK = 0  # hi multiset as index into the colex table
 HI_UNARY = 1  # hi multiset as unary bits (Elias-Fano high part)
 
-# Header: magic, version, scheme, reserved, rows, start, layers, top_k, experts.
+FLAG_INDEX_KEYS = 1  # header flags: an indexer-key section follows the ids
+
+# Header: magic, version, scheme, flags, rows, start, layers, top_k, experts.
 _HEADER = struct.Struct("<4sBBHIIHHI")
 _SET_PARAMS = struct.Struct("<BBBBQQ")  # hi_kind, b, rows_per_group, group_bytes, hi_len, lo_len
 _DICT_PARAMS = struct.Struct("<BQ")  # index_bytes, dictionary body length
@@ -128,6 +137,7 @@ class RoutingRecord:
     moe_layers: tuple[int, ...]
     num_experts: int
     start: int = 0
+    index_keys: IndexKeys | None = None
     _canonical: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +159,12 @@ class RoutingRecord:
             raise ValueError(f"expert_ids has {ids.shape[1]} layer columns but moe_layers lists {len(layers)}")
         if not (1 <= ids.shape[2] <= min(self.num_experts, 0xFFFF)):
             raise ValueError(f"top_k must be in [1, num_experts], got {ids.shape[2]}")
+        if self.index_keys is not None:
+            if self.index_keys.keys.shape[0] != ids.shape[0]:
+                raise ValueError(f"the record has {ids.shape[0]} rows of experts but {self.index_keys.keys.shape[0]} "
+                                 "rows of indexer keys")
+            if not self._canonical:
+                object.__setattr__(self, "index_keys", self.index_keys.check(self.start))
 
     @property
     def num_rows(self) -> int:
@@ -167,6 +183,7 @@ class RoutingRecord:
             and self.start == other.start
             and self.expert_ids.shape == other.expert_ids.shape
             and bool(np.array_equal(self.expert_ids, other.expert_ids))
+            and self.index_keys == other.index_keys
         )
 
     def slice_from(self, position: int) -> "RoutingRecord":
@@ -174,8 +191,9 @@ class RoutingRecord:
         if position < self.start:
             raise ValueError(f"position {position} is before the record's start {self.start}")
         cut = min(position - self.start, self.num_rows)
+        keys = None if self.index_keys is None else self.index_keys.slice_from(cut)
         return RoutingRecord(self.expert_ids[cut:], self.moe_layers, self.num_experts,
-                             self.start + cut, _canonical=True)
+                             self.start + cut, keys, _canonical=True)
 
     def encode(self) -> bytes:
         return encode_record(self)
@@ -620,8 +638,8 @@ def _check_rows(ids: np.ndarray, num_experts: int) -> None:
 # record codec
 
 
-def _header(rec_rows: int, start: int, layers: tuple[int, ...], k: int, e: int, scheme: int) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, scheme, 0, rec_rows, start, len(layers), k, e) + struct.pack(
+def _header(rec_rows: int, start: int, layers: tuple[int, ...], k: int, e: int, scheme: int, flags: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, scheme, flags, rec_rows, start, len(layers), k, e) + struct.pack(
         f"<{len(layers)}H", *layers
     )
 
@@ -646,8 +664,8 @@ def encode_record(rec: RoutingRecord) -> bytes:
     raw = rows.tobytes()
     candidates.append((SCHEME_RAW, raw))
     scheme, body = min(candidates, key=lambda c: len(c[1]))
-    head = _header(t, rec.start, rec.moe_layers, k, e, scheme)
-    payload = head + body
+    flags, index = (0, b"") if rec.index_keys is None else (FLAG_INDEX_KEYS, rec.index_keys.encode(rec.start))
+    payload = _header(t, rec.start, rec.moe_layers, k, e, scheme, flags) + body + index
     return payload + _CRC.pack(zlib.crc32(payload))
 
 
@@ -760,9 +778,11 @@ def decode_record(payload: bytes | bytearray | memoryview) -> RoutingRecord:
     if zlib.crc32(buf[:-4]) != crc:
         raise ValueError("routing payload checksum mismatch (truncated or corrupted)")
     rd = _Reader(buf[:-4])
-    magic, version, scheme, _res, t, start, l, k, e = rd.unpack(_HEADER, "header")
+    magic, version, scheme, flags, t, start, l, k, e = rd.unpack(_HEADER, "header")
     if version != VERSION:
         raise ValueError(f"unsupported routing payload version {version} (this decoder reads {VERSION})")
+    if flags & ~FLAG_INDEX_KEYS:
+        raise ValueError(f"unknown routing payload flags {flags:#x}")
     if not (0 < e <= _MAX_EXPERTS) or not (1 <= k <= e):
         raise ValueError(f"invalid shape in header: num_experts={e}, top_k={k}")
     layers = struct.unpack(f"<{l}H", rd.take(2 * l, "layer list"))
@@ -796,9 +816,10 @@ def decode_record(payload: bytes | bytearray | memoryview) -> RoutingRecord:
             ids = drows.take(gidx, axis=0)
     else:
         raise ValueError(f"unknown routing payload scheme {scheme}")
+    keys = IndexKeys.decode(rd.take, t, start) if flags & FLAG_INDEX_KEYS else None
     if rd.pos != len(rd.buf):
         raise ValueError(f"routing payload has {len(rd.buf) - rd.pos} trailing bytes")
-    return RoutingRecord(ids.reshape(t, l, k), tuple(layers), e, start, _canonical=True)
+    return RoutingRecord(ids.reshape(t, l, k), tuple(layers), e, start, keys, _canonical=True)
 
 
 def encode_record_b64(rec: RoutingRecord) -> str:

@@ -47,7 +47,7 @@ class RoutingStore:
     """Per-request position-indexed rows (one hand-off segment each) plus an LRU of rows by block hash."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: np.dtype | str, block_size: int, token: str,
-                 max_blocks: int = 65536, reaper: SegmentReaper | None = None) -> None:
+                 max_blocks: int = 65536, reaper: SegmentReaper | None = None, kind: str = "") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_layers = num_layers
@@ -55,6 +55,7 @@ class RoutingStore:
         self.dtype = np.dtype(dtype)
         self.block_size = block_size
         self.token = token
+        self.kind = kind  # `handoff.segment_name`'s: "" for expert ids, "index" for indexer keys
         self.max_blocks = max_blocks
         self.reaper = reaper or SegmentReaper()
         self._requests: dict[str, _RequestRows] = {}
@@ -72,7 +73,7 @@ class RoutingStore:
             return
         if not 0 <= start <= capacity:
             raise ValueError(f"request {req_id}: first position {start} outside its capacity {capacity}")
-        name = segment_name(self.token, req_id)
+        name = segment_name(self.token, req_id, self.kind)
         self.reaper.created(name)  # a stub left by a failed reservation is unlinked like a segment
         try:
             seg = RowsSegment.create(name, start, capacity, self.num_layers, self.top_k, self.dtype)
@@ -91,7 +92,7 @@ class RoutingStore:
         map its segment again, rows and first position as they were. False if it has none."""
         if req_id in self._requests:
             return True
-        name = segment_name(self.token, req_id)
+        name = segment_name(self.token, req_id, self.kind)
         try:
             seg = RowsSegment.open(name)
         except FileNotFoundError:
@@ -232,7 +233,7 @@ class RoutingStore:
         if st is None:
             if req_id in self._lost:
                 self._lost.discard(req_id)
-                self.reaper.finished(segment_name(self.token, req_id))
+                self.reaper.finished(segment_name(self.token, req_id, self.kind))
             return
         self._publish(st)
         st.seg.close()

@@ -92,6 +92,16 @@ class LightningIndexer(Module):
         # Frozen, as it runs without gradients: an optimizer then keeps no state for it, the same in a
         # checkpoint as in a resumed run (which would otherwise expect AdamW moments it never made).
         self.requires_grad_(False)
+        # Side channel of `titan_ext.replay.replay_index_keys`: the keys inference selected,
+        # `[B, L, topk]` for this rank's queries, used instead of this indexer's own choice.
+        self.replay_keys_BLK: torch.Tensor | None = None
+        self._disagreement: torch.Tensor | None = None  # on the device, as the routers'
+
+    @property
+    def disagreement(self) -> float | None:
+        """Fraction of queries whose own key set differed from the replayed one (last replayed forward of
+        a whole sequence; None under context parallel or without replay)."""
+        return None if self._disagreement is None else float(self._disagreement)
 
     @torch.no_grad()
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions):
@@ -121,8 +131,19 @@ class LightningIndexer(Module):
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         topk = min(self.topk, k.size(1))
-        return indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5,
-                            self.fp8_ranking)
+        own = indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5,
+                           self.fp8_ranking)
+        replayed = self.replay_keys_BLK
+        if replayed is None:
+            return own
+        if replayed.shape[:2] != own.shape[:2] or replayed.size(2) < topk:
+            raise ValueError(f"replayed indexer keys have shape {tuple(replayed.shape)} but this layer selects "
+                             f"{tuple(own.shape)} (batch, queries, top_k)")
+        replayed = replayed[..., :topk].to(device=own.device, dtype=own.dtype)
+        if segments == [0, 0, own.size(1)]:
+            with torch.no_grad():
+                self._disagreement = key_sets_differ(own, replayed).float().mean()
+        return replayed
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
         """`[B, S, min(topk, S)]` key indices for a whole (unsharded) sequence."""
