@@ -7,12 +7,17 @@ the rows of the report, over the same completions:
 * `no_replay`: the fp32 trainer with its own routing and its indexer ranking in fp32;
 * `replay`: vLLM's routing replayed, the indexer still in fp32;
 * `replay_indexer_fp8`: replayed routing, the indexer ranking as vLLM's (fp8, `train.indexer_fp8`);
-* `floor`: that last trainer against its own bf16 twin (the numerics no routing or key fix removes);
-* `indexer_keys_differ`: the fraction of (token, indexer layer) pairs whose selected key set differs
-  from the fp8 ranking's (vLLM's numerics), for the indexer in fp32 and for the bf16 twin.
+* `replay_indexer`: replayed routing and the keys vLLM's indexer chose, carried in the routing record
+  (`train.replay_indexer`);
+* `floor`: the fp32 trainer against its own bf16 twin, both replaying routing and keys (the numerics
+  no routing or key fix removes);
+* `indexer_keys_differ`: the fraction of (token, indexer layer) pairs whose selected key set differs:
+  the indexer in fp32 from the fp8 ranking (`model_dtype`), and the fp8 ranking from the keys vLLM
+  chose (`matched_vs_served`).
 
-A fourth row, replaying the indexer's selected keys, needs the keys in the routing record, which it
-does not carry (docs/glm5.md).
+`record_bytes` is what the keys cost in the record at GLM-5's real sizes (78 indexer layers, top-2048,
+131,072 positions; 75 MoE layers of 256 experts, top-8), measured by encoding random selections
+with the record's codec, per token and layer and for a batch of 256 rollouts.
 
 usage: .venv/bin/python -m benchmarks.glm5_mismatch [--num-samples 64] [--max-tokens 32]
 """
@@ -28,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.r3_mismatch import moerl_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,12 +45,44 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 def rows(r: dict) -> dict:
     d = r["details"]
     return {name: {"kl_mean": d[name]["kl_mean"], "kl_max": d[name]["kl_max"]}
-            for name in ("no_replay", "replay", "replay_indexer_fp8", "floor")}
+            for name in ("no_replay", "replay", "replay_indexer_fp8", "replay_indexer", "floor")}
 
 
 def key_sets(r: dict) -> dict:
     """Fractions of (token, indexer layer) pairs whose selected keys differ from the fp8 ranking's."""
     return r["details"]["indexer_keys_differ"]
+
+
+def record_bytes(seq_len: int = 131_072, topk: int = 2048, layers: int = 78, moe_layers: int = 75,
+                 experts: int = 256, top_k: int = 8, rollouts: int = 256) -> dict:
+    """Bytes of the routing record with and without the indexer's keys, at GLM-5's sizes (random choices)."""
+    from vllm_ext.routing.index_keys import IndexKeys, bytes_per_row, mean_bytes_per_token_layer
+    from vllm_ext.routing.record import RoutingRecord, encode_record
+
+    rng = np.random.default_rng(0)
+    tokens = 256
+    ids = np.argsort(rng.random((tokens, moe_layers, experts)), -1)[..., :top_k]
+    routing = len(encode_record(RoutingRecord(ids, tuple(range(3, 3 + moe_layers)), experts))) / tokens / moe_layers
+    measured = {}
+    for start in (topk, seq_len // 2, seq_len - 8):  # 8 rows of 2 layers at three places in the sequence
+        keys = np.stack([rng.choice(start + i + 1, topk, replace=False) for i in range(8) for _ in range(2)])
+        section = IndexKeys(keys.reshape(8, 2, topk).astype(np.int32), (0, 1), topk).check(start).encode(start)
+        measured[str(start)] = {"bytes_per_token_layer": (len(section) - 22) / 16,
+                                "formula": bytes_per_row(start + 4, topk)}
+    mean = mean_bytes_per_token_layer(seq_len, topk)
+    per_rollout = seq_len * layers * mean
+    return {
+        "sizes": {"seq_len": seq_len, "index_topk": topk, "indexer_layers": layers, "moe_layers": moe_layers,
+                  "experts": experts, "top_k": top_k, "rollouts": rollouts},
+        "routing_bytes_per_token_layer": routing,
+        "index_keys_bytes_per_token_layer_at": measured,
+        "index_keys_bytes_per_token_layer_mean": mean,
+        "plain_positions_bytes_per_token_layer": topk * int(np.ceil(np.log2(seq_len))) / 8,  # 17 bits each
+        "routing_bytes_per_rollout": seq_len * moe_layers * routing,
+        "index_keys_bytes_per_rollout": per_rollout,
+        "index_keys_bytes_per_batch": rollouts * per_rollout,
+        "routing_bytes_per_batch": rollouts * seq_len * moe_layers * routing,
+    }
 
 
 def main() -> None:
@@ -80,9 +119,11 @@ def main() -> None:
         "definitions": {
             "kl_*": "k3 estimator exp(d)-d-1, d = logp_trainer - logp_vllm, over completion tokens (mean, max)",
             "rows": "no_replay / replay: trainer indexer in fp32; replay_indexer_fp8: trainer indexer ranking "
-                    "as vLLM's; floor: that trainer in fp32 vs its bf16 twin, both replaying",
+                    "as vLLM's; replay_indexer: the keys vLLM chose, replayed; floor: the fp32 trainer vs its "
+                    "bf16 twin, both replaying routing and keys",
         },
         "runs": runs,
+        "record_bytes": record_bytes(),
     }, indent=2))
     print(f"written to {out}")
 
