@@ -48,20 +48,30 @@ class GroupFailed(RuntimeError):
     """No replica could generate the group."""
 
 
+MALFORMED = "malformed_record"  # the reason of a record that does not decode (`rl_loop.batch.reason_kind`)
+
+
 def parse_choice(choice: dict, routing_start: int = 0) -> Completion:
-    """One `/v1/completions` choice; its routing record must start at `routing_start`."""
+    """One `/v1/completions` choice; its routing record must start at `routing_start`. A record that
+    does not decode (damaged, or indexer keys that do not fit their positions) leaves the completion
+    without routing and says why, so the batch rejects that sample alone."""
     lp = choice.get("logprobs") or {}
     tokens = lp.get("tokens") or []
     ids = [int(t.split(":", 1)[1]) for t in tokens]
     routing = index_keys = None
+    error = choice.get("routed_experts_error")
     if choice.get("routed_experts"):
-        record = decode_record_b64(choice["routed_experts"])
-        if record.start != routing_start:
-            raise ValueError(f"routing record starts at position {record.start}, expected {routing_start}")
-        routing = record.expert_ids
-        index_keys = None if record.index_keys is None else record.index_keys.keys
+        try:
+            record = decode_record_b64(choice["routed_experts"])
+        except ValueError as exc:
+            error = f"{MALFORMED}: {exc}"
+        else:
+            if record.start != routing_start:
+                raise ValueError(f"routing record starts at position {record.start}, expected {routing_start}")
+            routing = record.expert_ids
+            index_keys = None if record.index_keys is None else record.index_keys.keys
     return Completion(ids, [float(x) for x in lp.get("token_logprobs") or []], choice.get("text", ""), routing,
-                      choice.get("finish_reason"), choice.get("routed_experts_error"), index_keys)
+                      choice.get("finish_reason"), error, index_keys)
 
 
 def completion_body(model: str, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float, seed: int,

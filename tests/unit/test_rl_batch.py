@@ -1,9 +1,11 @@
+import base64
+
 import numpy as np
 import pytest
 import torch
 
 from rl_loop.batch import Batch, ModelShape, Sample, pack, reason_kind
-from rl_loop.rollouts import Completion, Conversation
+from rl_loop.rollouts import Completion, Conversation, parse_choice
 
 SHAPE = ModelShape(num_moe_layers=3, top_k=2, num_experts=8)
 
@@ -82,3 +84,45 @@ def test_padded_sequences_split_into_equal_chunks_and_padding_is_out_of_the_loss
     assert out.tokens[:, 6:].tolist() == [[0, 0, 0], [23, 23, 23]]
     assert out.mask[:, :5].equal(batch.mask) and not out.mask[:, 5:].any() and not out.logp_infer[:, 5:].any()
     assert out.replay_ids.shape == (2, 8, 3, 2) and out.replay_ids[:, 5:].equal(batch.replay_ids[:, 4:5].expand(-1, 3, -1, -1))
+
+
+def _keys(start: int, rows: int, topk: int = 2) -> np.ndarray:
+    """An indexer's keys for positions start.., one layer: the latest `topk` keys."""
+    p = np.arange(start, start + rows)[:, None]
+    return np.where(p - np.arange(topk) >= 0, p - np.arange(topk), -1)[:, None, :].astype(np.int32)
+
+
+def test_a_record_with_indexer_keys_that_do_not_fit_rejects_its_sample_alone():
+    from vllm_ext.routing.record import IndexKeys, RoutingRecord, encode_record_b64
+
+    rows = np.tile(np.array([1, 5]), (4, 3, 1))
+    good = encode_record_b64(RoutingRecord(rows, (1, 2, 3), 8, 0, IndexKeys(_keys(0, 4), (0,), 2)))
+    payload = bytearray(base64.b64decode(good))
+    payload[-5] ^= 0x40  # damaged in transit: the checksum fails
+    choice = {"logprobs": {"tokens": ["token_id:20", "token_id:21"], "token_logprobs": [-0.5, -0.5]},
+              "routed_experts": base64.b64encode(bytes(payload)).decode()}
+    comp = parse_choice(choice)
+    assert comp.routing is None and comp.routing_error.startswith("malformed_record: routing payload checksum")
+    ok = parse_choice({**choice, "routed_experts": good})
+    assert ok.index_keys.shape == (4, 1, 2)
+    shape = ModelShape(3, 2, 8, index_layers=1, index_topk=2)
+    samples = [Sample([10, 11, 12], [20, 21], [-0.5] * 2, 1.0, 0, routing=c.routing, routing_error=c.routing_error,
+                      index_keys=c.index_keys) for c in (ok, comp)]
+    batch, rejected = pack(samples, shape, pad_id=0)
+    assert batch.replay_keys.shape == (1, 4, 1, 2) and [(i, reason_kind(r)) for i, r in rejected] == [
+        (1, "no routing record (malformed_record)")]
+
+
+def test_a_multi_turn_sample_stitches_the_indexer_keys_of_its_turns():
+    conv = Conversation([10, 11, 12])
+    rows = np.tile(np.array([1, 5]), (4, 3, 1))
+    conv.record(Completion([20, 21], [-0.5, -0.5], "", rows, index_keys=_keys(0, 4)), 0, 0)
+    conv.append([30])
+    conv.record(Completion([22], [-0.5], "", rows[:2], index_keys=_keys(4, 2)), 4, 0)
+    sample = conv.sample(1.0, 0)
+    assert np.array_equal(sample.index_keys, _keys(0, 6))
+    batch, rejected = pack([sample], ModelShape(3, 2, 8, index_layers=1, index_topk=2), pad_id=0)
+    assert not rejected and batch.replay_keys[0, :, 0, :].tolist() == np.where(_keys(0, 6) < 0, 1, _keys(0, 6))[:, 0].tolist()
+    conv.append([31])
+    conv.record(Completion([23], [-0.5], "", rows[:2]), 6, 0)  # a turn from a replica that did not capture keys
+    assert conv.sample(1.0, 0).index_keys is None
