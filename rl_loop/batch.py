@@ -50,6 +50,12 @@ class ModelShape:
     index_layers: int = 0
     index_topk: int = 0
 
+    @classmethod
+    def of(cls, arch, index_keys: bool = False) -> ModelShape:
+        """The shape of a titan_ext arch's records; with `index_keys`, its indexer keys' too."""
+        return cls(len(arch.moe_layer_ids), arch.top_k, arch.num_experts,
+                   arch.n_layers if index_keys else 0, arch.index_topk if index_keys else 0)
+
 
 @dataclass
 class Batch:

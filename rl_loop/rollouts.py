@@ -234,7 +234,7 @@ class Conversation:
 
     def index_keys(self) -> np.ndarray | None:
         """The stitched indexer keys (as `routing`), or None if a turn came without them."""
-        if self.routing() is None or not self._keys:
+        if not self._routed or not self._rows or not self._keys:
             return None
         return np.concatenate(self._keys, axis=0)
 

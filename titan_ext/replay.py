@@ -107,17 +107,26 @@ def check_replay_ids(ids: torch.Tensor, *, tokens_shape: tuple[int, int], num_mo
                      top_k: int, num_experts: int) -> None:
     """Raise ReplayRecordError saying what is wrong with `ids` for a batch of `tokens_shape`."""
     want = (*tokens_shape, num_moe_layers, top_k)
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ReplayRecordError(f"expert ids must be integers, got {ids.dtype}")
+    _check_integers(ids, "expert ids")
     if tuple(ids.shape) != want:
         raise ReplayRecordError(
             f"expert ids have shape {tuple(ids.shape)}, expected {want} "
             "(batch, seq, moe layers, top_k): the record does not belong to these tokens or this model"
         )
-    if ids.numel():
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync per batch, not two
-        if lo < 0 or hi >= num_experts:
-            raise ReplayRecordError(f"expert ids must lie in [0, {num_experts}); got min {lo}, max {hi}")
+    _check_range(ids, num_experts, "expert ids must lie in")
+
+
+def _check_integers(t: torch.Tensor, what: str) -> None:
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ReplayRecordError(f"{what} must be integers, got {t.dtype}")
+
+
+def _check_range(t: torch.Tensor, end: int, what: str) -> None:
+    """ReplayRecordError unless every value of `t` lies in [0, end)."""
+    if t.numel():
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one host sync per batch, not two
+        if lo < 0 or hi >= end:
+            raise ReplayRecordError(f"{what} [0, {end}); got min {lo}, max {hi}")
 
 
 def shard_replay_ids(model: torch.nn.Module, ids_BSNK: torch.Tensor) -> torch.Tensor:
@@ -164,27 +173,17 @@ def disagreement_by_layer(routers: list[ReplayRouter]) -> list[float | None]:
     return [r.disagreement for r in routers]
 
 
-def index_layers(model: torch.nn.Module) -> list:
-    """The model's DSA indexers (`LightningIndexer`), in layer order (none for a dense-attention model)."""
-    from .models.glm5.dsa import LightningIndexer
-
-    return [m for m in model.modules() if isinstance(m, LightningIndexer)]
-
-
 def check_replay_keys(keys: torch.Tensor, *, seq_len: int, num_layers: int, topk: int) -> None:
     """Raise ReplayRecordError saying what is wrong with indexer keys `[batch, seq, layers, topk]`
     for sequences of `seq_len` positions (a key is a position of the same sequence)."""
-    if keys.dtype.is_floating_point or keys.dtype == torch.bool:
-        raise ReplayRecordError(f"indexer keys must be integers, got {keys.dtype}")
+    _check_integers(keys, "indexer keys")
     if keys.dim() != 4 or tuple(keys.shape[2:]) != (num_layers, topk):
         raise ReplayRecordError(
             f"indexer keys have shape {tuple(keys.shape)}, expected [batch, seq, {num_layers}, {topk}] (indexer "
             "layers, index top_k): the record does not belong to this model"
         )
-    if keys.numel():
-        lo, hi = torch.stack(torch.aminmax(keys)).tolist()
-        if lo < 0 or hi >= max(seq_len, topk):
-            raise ReplayRecordError(f"indexer keys must be positions in [0, {seq_len}); got min {lo}, max {hi}")
+    # rows below top-k (and padding) hold column indices past the query: up to topk - 1
+    _check_range(keys, max(seq_len, topk), "indexer keys must be positions in")
 
 
 @contextmanager
@@ -195,7 +194,9 @@ def replay_index_keys(model: torch.nn.Module, keys_BLNK: torch.Tensor | None,
 
     `None` lets the indexers choose. `seq_len` (the whole sequence's, under context parallel)
     bounds the keys; it defaults to the keys' own length."""
-    indexers = index_layers(model)
+    from .models.glm5.dsa import indexers_of
+
+    indexers = indexers_of(model)
     if keys_BLNK is not None:
         if not indexers:
             raise ReplayRecordError("indexer keys given, but the model has no DSA indexer (GLM-5 has)")

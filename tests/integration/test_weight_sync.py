@@ -305,14 +305,13 @@ class ShardedSenders:
     kept across updates; the one killed by a ``stall`` fault is started again."""
 
     def __init__(self) -> None:
-        self.started: list[subprocess.Popen] = []
+        self.killed_rings: list[str] = []  # by name: a killed sender's pid may be reused by another test's
         self.procs = [self._start(r) for r in range(2)]
 
     def _start(self, rank: int) -> subprocess.Popen:
-        self.started.append(subprocess.Popen([PY, "-m", SENDER, str(rank), "2", "--tp", ",".join(map(str, TPS)),
-                                              "--bucket-bytes", str(BUCKET)],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
-        return self.started[-1]
+        return subprocess.Popen([PY, "-m", SENDER, str(rank), "2", "--tp", ",".join(map(str, TPS)),
+                                 "--bucket-bytes", str(BUCKET)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
     def update(self, bases: list[str], ckpt: Path, version: int, *, lane: str, fault: str = "",
                while_moving: Callable[[], None] | None = None):
@@ -333,6 +332,7 @@ class ShardedSenders:
             assert [self.procs[1].stdout.readline().strip() for _ in range(sum(TPS))] == ["midway"] * sum(TPS)
             if while_moving is not None:
                 while_moving()
+            self.killed_rings += self._rings_of(self.procs[1])
             self.procs[1].kill()
             self.procs[1].wait()
         try:
@@ -344,9 +344,14 @@ class ShardedSenders:
             self.procs[1] = self._start(1)
         return res, lines
 
+    @staticmethod
+    def _rings_of(proc: subprocess.Popen) -> list[str]:
+        return [p.name for p in SHM_DIR.glob(f"moerl-weights-{proc.pid}-*")]
+
     def rings(self) -> list[str]:
-        """The shared-memory rings of every sender process started, the killed ones' too."""
-        return sorted(p.name for s in self.started for p in SHM_DIR.glob(f"moerl-weights-{s.pid}-*"))
+        """The shared-memory rings of the live senders and those the killed ones had."""
+        return sorted([n for n in self.killed_rings if (SHM_DIR / n).exists()]
+                      + [n for p in self.procs for n in self._rings_of(p)])
 
     def close(self) -> None:
         for p in self.procs:

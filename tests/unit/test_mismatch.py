@@ -111,7 +111,7 @@ def test_replaying_the_samplers_indexer_keys_removes_what_the_fp8_ranking_cannot
     sampler, arch = load_hf_checkpoint(ckpt, "glm5")
     samples = _self_samples(sampler, arch, n=4, prompt=24, completion=12, index_keys=True)
     model, _ = load_hf_checkpoint(ckpt, "glm5")
-    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts, arch.n_layers, arch.index_topk)
+    shape = ModelShape.of(arch, index_keys=True)
     figures, used = measure(model, samples, shape, pad_id=2, batch_size=2)
     assert used == 4 and figures["num_rejected"] == 0
     assert figures["replay_indexer"]["kl_max"] < 1e-9 < figures["replay_indexer_fp8"]["kl_max"]

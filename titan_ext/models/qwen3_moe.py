@@ -56,6 +56,10 @@ class Qwen3MoEArch:
     def moe_layer_ids(self) -> list[int]:
         return list(range(self.n_layers))
 
+    @property
+    def has_indexer(self) -> bool:
+        return False  # dense attention: no DSA indexer
+
     def to_hf_config(self) -> dict[str, Any]:
         cfg = {
             "architectures": [HF_ARCHITECTURE],

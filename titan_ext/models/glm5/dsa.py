@@ -131,18 +131,20 @@ class LightningIndexer(Module):
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         topk = min(self.topk, k.size(1))
-        own = indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5,
-                           self.fp8_ranking)
         replayed = self.replay_keys_BLK
+        whole = segments == [0, 0, q.size(1)]
+        own = None
+        if replayed is None or whole:  # replaying, its own choice only measures the disagreement
+            own = indexer_topk(q, k, weights, topk, segments, self.query_chunk, self.key_chunk, self.head_dim**-0.5,
+                               self.fp8_ranking)
         if replayed is None:
             return own
-        if replayed.shape[:2] != own.shape[:2] or replayed.size(2) < topk:
+        if replayed.shape[:2] != q.shape[:2] or replayed.size(2) < topk:
             raise ValueError(f"replayed indexer keys have shape {tuple(replayed.shape)} but this layer selects "
-                             f"{tuple(own.shape)} (batch, queries, top_k)")
-        replayed = replayed[..., :topk].to(device=own.device, dtype=own.dtype)
-        if segments == [0, 0, own.size(1)]:
-            with torch.no_grad():
-                self._disagreement = key_sets_differ(own, replayed).float().mean()
+                             f"{(*q.shape[:2], topk)} (batch, queries, top_k)")
+        replayed = replayed[..., :topk].to(device=q.device, dtype=torch.long)
+        if own is not None:
+            self._disagreement = key_sets_differ(own, replayed).float().mean()
         return replayed
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: nn.Module, positions) -> torch.Tensor:
@@ -151,13 +153,14 @@ class LightningIndexer(Module):
         return self.select(q, k, weights, [0, 0, x.size(1)])
 
 
-def _indexers(model: nn.Module) -> list[LightningIndexer]:
+def indexers_of(model: nn.Module) -> list[LightningIndexer]:
+    """The model's DSA indexers, in layer order (none for a dense-attention model)."""
     return [m for m in model.modules() if isinstance(m, LightningIndexer)]
 
 
 def set_indexer_fp8_ranking(model: nn.Module, on: bool) -> int:
     """Switch the indexers of a built model to (or from) vLLM's fp8 ranking; how many it has."""
-    indexers = _indexers(model)
+    indexers = indexers_of(model)
     for m in indexers:
         m.fp8_ranking = on
     return len(indexers)
@@ -168,7 +171,7 @@ def recorded_selections(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Every selection the model's indexers make while the context is open, in call order
     (`[B, L, k]` key positions per call): what `moerl mismatch` compares between two rankings."""
     picks: list[torch.Tensor] = []
-    indexers = _indexers(model)
+    indexers = indexers_of(model)
 
     def recording(select):
         def select_and_record(q, k, weights, segments):
