@@ -37,7 +37,7 @@ def test_moerl_rl_updates_a_tp2_replica_from_two_trainer_ranks(tmp_path):
     rc, out = _run_to_end(run_dir, "--set", "inference.replicas=1", "--set", "inference.tensor_parallel=2",
                           "--set", "train.nproc=2", "--set", f"train.steps={STEPS}",
                           "--set", "train.checkpoint_interval=100", "--set", "rollout.max_off_policy_steps=0",
-                          "--set", "rollout.samples_per_prompt=4")
+                          "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4")
     assert rc == 0, out[-4000:]
     assert "weight sync lane: shm" in out, out[-4000:]
 

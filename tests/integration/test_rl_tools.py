@@ -9,7 +9,8 @@ once; on it:
   rendering of its messages with the sampled turns as sampled; its routing record covers every
   position and equals one request over the whole sequence; the trainer replaying it agrees with
   the inference logprobs (fp32 on both sides: at the floor, and no router disagreement);
-* a short `moerl rl --config configs/tiny_kimi_k2_tools.toml` (one replica, 2 steps) completes and
+* a short `moerl rl --config configs/tiny_kimi_k2_tools.toml` (2 steps, on the same replica as an
+  `inference.endpoints` entry, after the tests above: one server start for the module) completes and
   reports the tool-use rate, tool calls and malformed calls per step, and plots them.
 """
 
@@ -39,7 +40,7 @@ from rl_loop.tools.parsing import ToolCallParser
 from rl_loop.tools.sandbox import SandboxLimits
 from rl_loop.trainer import rl_step
 from tests.conftest import ROOT, mask_spans, reference_record
-from tests.ports import free_port, free_ports
+from tests.ports import free_port
 from titan_ext.checkpoint import load_hf_checkpoint, read_arch
 
 pytestmark = pytest.mark.slow
@@ -176,11 +177,12 @@ def test_the_trainer_replays_the_tool_conversation(checkpoint, episodes):
 
 
 @pytest.fixture(scope="module")
-def short_run(checkpoint, tmp_path_factory):
+def short_run(checkpoint, server, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rl_tools")
     cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs" / "tiny_kimi_k2_tools.toml"),
-           "--set", f"run_dir={run_dir}", "--set", f"model.checkpoint={checkpoint}", "--set", "inference.replicas=1",
-           "--set", f"inference.base_port={free_ports(1)}", "--set", "train.steps=2",
+           "--set", f"run_dir={run_dir}", "--set", f"model.checkpoint={checkpoint}", "--set", "inference.replicas=0",
+           "--set", f'inference.endpoints=["{server[0].base_url}"]', "--set", "model.inference_dtype=float32",
+           "--set", "train.steps=2",
            "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
