@@ -171,7 +171,11 @@ class RolloutConfig:
 @dataclass(config=CONFIG)
 class TrainConfig:
     steps: StrictInt = knob(40, "optimizer steps", ge=1)
-    lr: StrictFloat = knob(1e-3, "AdamW learning rate", gt=0)
+    lr: StrictFloat = knob(1e-3, "AdamW learning rate: the peak of the schedule, which decays linearly to a tenth "
+                                 "of it over the run (titan_ext's lr_scheduler, no decay_ratio)", gt=0)
+    lr_warmup_steps: StrictInt = knob(
+        0, "steps over which the learning rate first rises linearly to `lr` (lr_scheduler.warmup_steps); the "
+           "decay then spans the remaining steps", ge=0)
     replay: StrictBool = knob(True, "router replay: the trainer uses the experts inference chose")
     max_ratio: StrictFloat = knob(2.0, "tokens with p_train/p_infer outside [1/r, r] are masked from the loss", gt=1)
     normalize_std: StrictBool = knob(False, "divide group advantages by the group's reward std")

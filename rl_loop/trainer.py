@@ -57,6 +57,7 @@ class TrainerSpec:
     dispatcher: str = "lean"
     fp8: bool = False
     max_grad_norm: float = 1.0
+    lr_warmup_steps: int = 0
     context_parallel: int = 1  # TorchTitan's --parallelism.context_parallel_degree
     loss_chunk_tokens: int = 0  # rl_loop.chunked_loss; 0: whole sequences
     indexer_fp8: bool = True  # titan_ext.models.glm5.dsa: rank keys as vLLM's indexer
@@ -70,7 +71,7 @@ class TrainerSpec:
         """The trainer's part of a `moerl rl` config, starting from `init_checkpoint`."""
         t = cfg.train
         return cls(model=cfg.model.arch, flavor=cfg.model.flavor, init_checkpoint=str(init_checkpoint),
-                   steps=t.steps, lr=t.lr, replay=t.replay, max_ratio=t.max_ratio,
+                   steps=t.steps, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps, replay=t.replay, max_ratio=t.max_ratio,
                    checkpoint_interval=t.checkpoint_interval, dispatcher=t.dispatcher, fp8=t.fp8,
                    context_parallel=t.context_parallel, loss_chunk_tokens=t.loss_chunk_tokens,
                    indexer_fp8=t.indexer_fp8, optimizer_offload=t.optimizer_offload,
@@ -300,8 +301,8 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
     # especially) may be as long as the model allows, not the supervised default of 64.
     cfg.training.seq_len = arch.max_seq_len
     cfg.optimizer = default_adamw(lr=spec.lr, weight_decay=0.0)
-    cfg.lr_scheduler.warmup_steps = 0
-    cfg.lr_scheduler.decay_ratio = None
+    cfg.lr_scheduler.warmup_steps = spec.lr_warmup_steps
+    cfg.lr_scheduler.decay_ratio = None  # linear decay over the steps after the warmup
     cfg.checkpoint.enable = True
     cfg.checkpoint.folder = "checkpoint"
     cfg.checkpoint.interval = spec.checkpoint_interval
@@ -314,6 +315,11 @@ def build_trainer(spec: TrainerSpec, run_dir: Path):
     cfg.checkpoint.exclude_from_loading = ["dataloader"]
     trainer = cfg.build()
     trainer.checkpointer.load()
+    # A checkpoint restores the optimizer's rate of the run that saved it; the schedule of this run (whose
+    # train.steps or lr may differ on --resume) gives the next step's rate.
+    for scheduler in trainer.lr_schedulers:
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
     return trainer
 
 
@@ -358,6 +364,7 @@ def train(run_dir: Path) -> None:
                           loss_chunk_tokens=spec.loss_chunk_tokens)
         metrics.update(reduce_metrics(metrics, total))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        lr = next(iter(trainer.optimizers)).param_groups[0]["lr"]  # the rate this step applies
         trainer.optimizers.step()
         trainer.lr_schedulers.step()
         trainer.optimizers.zero_grad()
@@ -370,7 +377,7 @@ def train(run_dir: Path) -> None:
         publish_s = time.perf_counter() - t1
         if rank == 0:
             grad = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            metrics.update(step=step, grad_norm=float(grad), wait_s=wait_s, train_s=train_s, publish_s=publish_s)
+            metrics.update(step=step, grad_norm=float(grad), lr=lr, wait_s=wait_s, train_s=train_s, publish_s=publish_s)
             write_atomic(metrics_path(run_dir, step), lambda tmp: tmp.write_text(json.dumps(metrics)))
         if publisher is not None:  # after the metrics: the orchestrator drives the replicas once it has them
             try:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -53,6 +54,7 @@ def test_trainer_steps_publishes_versions_and_resumes(tiny_checkpoint, tmp_path)
     m1 = json.loads(metrics_path(run, 1).read_text())
     # On-policy batch replaying the policy's own routing: no mismatch, no disagreement.
     assert m1["mismatch_k3_max"] < 1e-6 and m1["router_disagreement"] == 0.0 and m1["tokens"] == 20
+    assert m1["lr"] == spec.lr
     assert all((weights_dir(run, v) / COMMIT_MARKER).exists() for v in (0, 1))
     v0, v1 = (dict(read_fs(weights_dir(run, v))[1]) for v in (0, 1))
     original = load_file(ckpt / "model.safetensors")
@@ -69,6 +71,8 @@ def test_trainer_steps_publishes_versions_and_resumes(tiny_checkpoint, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m2 = json.loads(metrics_path(run, 2).read_text())
     assert m2["step"] == 2 and m2["router_disagreement"] > 0, "step 2 replays records of the initial policy"
+    # the resumed run's schedule (2 steps, decaying linearly to a tenth), not the saved rate (the 1-step run's end)
+    assert m2["lr"] == pytest.approx(spec.lr * (0.1 + 0.9 / 2), rel=1e-9)
     assert (weights_dir(run, 2) / COMMIT_MARKER).exists()
     assert (weights_dir(run, 1) / COMMIT_MARKER).stat().st_mtime_ns == v1_mtime
 
