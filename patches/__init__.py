@@ -75,6 +75,7 @@ PATCH_MODULES = (
     "patches.vllm_cpu_mla_rope",
     "patches.vllm_cpu_portable_kernels",
     "patches.vllm_executor_reads_every_answer",
+    "patches.vllm_cpu_shm_reader_naps",
     # The tree's hooks: each module keeps its wrappers' logic and their records.
     "titan_ext.chunked_loss",
     "titan_ext.cli",

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from patches.vllm_cpu_shm_reader_naps import ENV as SHM_NAP_ENV
+
 from . import placement
 from .shm_segments import group_segments, remove_unused
 
@@ -96,12 +98,15 @@ def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dty
                   enforce_eager: bool = True, extra: list[str] | None = None, env: dict | None = None,
                   cpus: tuple[int, ...] | None = None, tensor_parallel: int = 1) -> Replica:
     """Start one server, for sequences up to `max_model_len` tokens (default: the checkpoint's context);
-    with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores. With
+    with `cpus`, the whole process tree and vLLM's OpenMP threads stay on those cores (without, its
+    shared-memory queue readers nap: `patches.vllm_cpu_shm_reader_naps`). With
     `tensor_parallel` > 1 its workers split the cores (this process's, without `cpus`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     bind = cpus or (tuple(sorted(os.sched_getaffinity(0))) if tensor_parallel > 1 else None)
-    full_env = {**os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1",
+    # without cores of its own, vLLM's queue readers nap instead of spinning on shared cores (the patch says why)
+    naps = {} if cpus else {SHM_NAP_ENV: "1"}
+    full_env = {**naps, **os.environ, "VLLM_PLUGINS": PLUGIN, "VLLM_SERVER_DEV_MODE": "1",
                 **(placement.replica_env(bind, tensor_parallel) if bind else {}), **(env or {})}
     if tensor_parallel > 1:
         extra = [*(extra or []), "--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]

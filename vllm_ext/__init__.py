@@ -19,7 +19,7 @@ def register() -> None:
 
     Activates, before any model or executor is built in this process, the vLLM runtime
     patches (`patches.vllm_cpu_mla_rope`, `patches.vllm_cpu_portable_kernels`,
-    `patches.vllm_executor_reads_every_answer`), the
+    `patches.vllm_executor_reads_every_answer`, `patches.vllm_cpu_shm_reader_naps` where asked for), the
     weight-sync hooks (`vllm_ext.weights`), the routing hooks (`vllm_ext.hooks`) and one
     wrapper per serving method for both (`vllm_ext.serving`). A required patch that no longer
     fits vLLM stops the process (`patches.PatchError`); a skipped optional one is counted in
@@ -32,7 +32,12 @@ def register() -> None:
         return
     _registered = True
     import patches
-    from patches import vllm_cpu_mla_rope, vllm_cpu_portable_kernels, vllm_executor_reads_every_answer
+    from patches import (
+        vllm_cpu_mla_rope,
+        vllm_cpu_portable_kernels,
+        vllm_cpu_shm_reader_naps,
+        vllm_executor_reads_every_answer,
+    )
 
     from . import hooks, serving
     from .dsa import backend as dsa_backend
@@ -42,6 +47,7 @@ def register() -> None:
 
     patches.on_skip(patches_skipped.inc)
     patches.activate([vllm_cpu_mla_rope.PATCH, vllm_cpu_portable_kernels.PATCH, vllm_executor_reads_every_answer.PATCH,
+                      vllm_cpu_shm_reader_naps.PATCH,
                       *dsa_backend.PATCHES])
     weights_on = register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
     routing_on = capture_enabled()

@@ -5,6 +5,8 @@ a registered module) is tests/unit/test_upstream_hooks.py's.
 """
 
 import importlib
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ FIXES = [m for m in patches.PATCH_MODULES if m.startswith("patches.")]
 
 
 def test_every_fix_here_is_registered_and_documented():
-    assert len(FIXES) == 10
+    assert len(FIXES) == 11
     for m in FIXES:
         (p,) = importlib.import_module(m).PATCHES
         assert p.upstream and p.symptom and m == f"patches.{p.name}"
@@ -271,3 +273,40 @@ def test_vllm_still_picks_cpu_kernels_by_asking_torch_for_amx():
         assert "torch.cpu._is_amx_tile_supported()" in inspect.getsource(module), module.__name__
     assert p.PATCH.probe() is None
     assert p._no_amx() is False
+
+
+def test_vllm_shm_readers_still_spin_a_second_after_each_read():
+    """`vllm_cpu_shm_reader_naps` shortens upstream's busy window: it is needed while a reader still yields
+    in a loop for `busy_loop_s` (1 s by default) after its last read."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from patches import vllm_cpu_shm_reader_naps as p
+
+    assert inspect.signature(SpinCondition.__init__).parameters["busy_loop_s"].default == 1
+    assert "sched_yield()" in inspect.getsource(SpinCondition.wait)
+    assert p.PATCH.probe() is None
+
+
+def test_a_napping_reader_spins_first_then_sleeps_then_waits_as_upstream(monkeypatch):
+    from patches import vllm_cpu_shm_reader_naps as p
+
+    calls = []
+    wait = p.napping(lambda self, timeout_ms=None: calls.append(timeout_ms))
+    reader = SimpleNamespace(busy_loop_s=1.0, last_read=time.monotonic())
+    wait(reader, 5)  # just read: upstream's yield loop
+    assert calls == [5]
+    reader.last_read = time.monotonic() - 10 * p.SPIN_S
+    t0 = time.perf_counter()
+    wait(reader, 5)  # inside the busy window, past the spin: a nap instead of upstream's yield
+    assert calls == [5] and time.perf_counter() - t0 >= p.NAP_S
+    reader.last_read = time.monotonic() - 2.0
+    wait(reader, 7)  # past the busy window: upstream's socket wait
+    assert calls == [5, 7]
+
+    monkeypatch.delenv(p.ENV, raising=False)
+    assert not p.PATCH.needed()
+    monkeypatch.setenv(p.ENV, "1")
+    assert p.PATCH.needed()
+

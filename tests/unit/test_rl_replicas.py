@@ -113,3 +113,20 @@ def test_a_killed_groups_segments_are_removed_and_a_segment_still_mapped_is_kept
             os.killpg(proc.pid, signal.SIGKILL)
         kept.close()
         kept.unlink()
+
+
+def test_only_servers_without_cores_of_their_own_nap(monkeypatch, tmp_path):
+    """`rl_loop.replicas` asks for the naps where a server shares its cores, never for a pinned one."""
+    from patches.vllm_cpu_shm_reader_naps import ENV
+    from rl_loop import replicas
+
+    started = []
+    monkeypatch.setattr(replicas.subprocess, "Popen", lambda cmd, **kw: started.append(kw["env"]))
+    monkeypatch.setattr(replicas, "checkpoint_context", lambda model: 256)
+    monkeypatch.delenv(ENV, raising=False)
+    replicas.start_replica("shared", tmp_path, 1, tmp_path, dtype="float32")
+    replicas.start_replica("pinned", tmp_path, 2, tmp_path, dtype="float32", cpus=(0,))
+    assert started[0][ENV] == "1" and ENV not in started[1]
+    monkeypatch.setenv(ENV, "0")  # the user's word wins
+    replicas.start_replica("shared", tmp_path, 3, tmp_path, dtype="float32")
+    assert started[2][ENV] == "0"
