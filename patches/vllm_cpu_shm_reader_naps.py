@@ -4,12 +4,12 @@ The engine core hands each step to its workers, and each worker hands its output
 `shm_broadcast.MessageQueue`; a reader waiting for the next message spins on `sched_yield()`
 for a second after its last read (`SpinCondition.wait`, `busy_loop_s`). On a GPU host that is a
 spare core; on a CPU replica it is the core the model computes on: the engine core spins through
-every forward pass of its worker, and the worker spins between steps. Measured here (2 cores, a
-tiny Kimi-K2 replica not pinned to cores of its own, 8 x 64-token requests in a loop for 30 s
-beside a one-thread torch loop): the server used 46 s of CPU for 208 requests, with the patch 22 s
-for 272, and the torch loop beside it ran 54% more iterations. A replica pinned to a core of its
-own loses by it (304 -> 264 requests): a napping reader lets the idle core sleep, and waking it
-costs more than the nap saves.
+every forward pass of its worker, and the worker spins between steps. Measured by
+`python -m benchmarks.shm_naps` (2 cores; tiny Kimi-K2, groups of 8 x 64-token requests for 30 s
+beside a one-thread torch loop): on shared cores the patch serves 2.4x the requests per second with
+0.36x the server's CPU, and the torch loop beside it runs 6x the iterations. A replica pinned to a
+core of its own loses by it (0.84x the requests per second): a napping reader lets the idle core
+sleep, and waking it costs more than the nap saves.
 
 So the patch is opt-in, per process, by ``MOERL_VLLM_SHM_NAP=1``: `rl_loop.replicas` sets it for a
 server it starts without cores of its own (`moerl mismatch`, `inference.cpus = ''`, the tests'
