@@ -172,7 +172,7 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
 
     import urllib.request
 
-    from benchmarks.servers import served
+    from benchmarks.servers import cpu_seconds, process_tree, served
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "moerl_routing_bench"
@@ -204,17 +204,7 @@ def serving_overhead(quick: bool, control: bool = False) -> dict:
         port = int(base.rsplit(":", 1)[1])
         root = next(p for p in psutil.process_iter(["cmdline"])
                     if "--port" in (p.info["cmdline"] or []) and str(port) in p.info["cmdline"])
-        return [root, *root.children(recursive=True)]
-
-    def cpu_seconds(procs):
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return process_tree(root.pid)
 
     cpu = {"on": [], "off": []}
 

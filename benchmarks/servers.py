@@ -13,13 +13,35 @@ from pathlib import Path
 
 from rl_loop.replicas import Replica, start_replica, stop_replica, wait_healthy
 
-__all__ = ["free_port", "served"]
+__all__ = ["cpu_seconds", "free_port", "process_tree", "served"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list:
+    """A server's processes (API server, engine core, workers) as psutil.Process objects."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def cpu_seconds(procs) -> float:
+    """User + system CPU seconds of `procs` so far (one that exited counts nothing)."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 @contextmanager

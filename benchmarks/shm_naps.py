@@ -24,28 +24,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
-
-from benchmarks.servers import served
+from benchmarks.servers import cpu_seconds, process_tree, served
 from patches.vllm_cpu_shm_reader_naps import ENV
 from rl_loop.replicas import served_model_name
 from rl_loop.tiny_models import make_tiny_checkpoint
 
 LOOP = ("import sys, time, torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nn, t = 0, time.time()\n"
         "while time.time() - t < float(sys.argv[1]):\n    a @ a\n    n += 1\nprint(n)")
-
-
-def tree_cpu_s(pid: int) -> float:
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def one_case(ckpt: Path, log_dir: Path, nap: str, pinned: bool, seconds: float) -> dict:
@@ -64,13 +49,13 @@ def one_case(ckpt: Path, log_dir: Path, nap: str, pinned: bool, seconds: float) 
         pin = ["taskset", "-c", ",".join(map(str, cores[:-1]))] if pinned else []
         loop = subprocess.Popen([*pin, sys.executable, "-c", LOOP, str(seconds + 2)], stdout=subprocess.PIPE, text=True)
         time.sleep(1)
-        cpu0, t0, done = tree_cpu_s(rep.process.pid), time.time(), 0
+        cpu0, t0, done = cpu_seconds(process_tree(rep.process.pid)), time.time(), 0
         with ThreadPoolExecutor(8) as pool:
             while time.time() - t0 < seconds:
                 list(pool.map(ask, range(8)))
                 done += 8
                 time.sleep(0.3)
-        wall, cpu = time.time() - t0, tree_cpu_s(rep.process.pid) - cpu0
+        wall, cpu = time.time() - t0, cpu_seconds(process_tree(rep.process.pid)) - cpu0
         return {"requests": done, "wall_s": round(wall, 2), "requests_per_s": round(done / wall, 2),
                 "server_cpu_s": round(cpu, 1), "torch_loop_iterations": int(loop.communicate()[0])}
 
