@@ -66,13 +66,12 @@ def measure(entry: dict, arch, dev, iters: int, clock: Clock) -> None:
     entry["impl"] = dsa.sparse_impl  # "triton" kernels or the chunked "torch" path
     entry["gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     entry["gib_above_inputs"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
-    with torch.no_grad():
-        idx = dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None)
-        torch.cuda.synchronize()
-        entry["indexer_ms"] = round(timed(lambda: dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None), 1, 0), 1)
-        del idx
+    with torch.no_grad():  # the indexer alone, projections included, ranking in bf16 and as vLLM's fp8
+        for key, fp8 in (("indexer_ms", False), ("indexer_fp8_ms", True)):
+            dsa.indexer.fp8_ranking = fp8
+            entry[key] = round(timed(lambda: dsa.indexer(x, dsa.q_norm(dsa.wq_a(x)), dsa.rope, None), 1, 1), 1)
     clock.log(f"DSA ({entry['impl']}) T={tokens} heads={heads}: {entry['ms']} ms, peak {entry['gib']} GiB "
-              f"(indexer {entry['indexer_ms']} ms)")
+              f"(indexer {entry['indexer_ms']} ms, fp8 ranking {entry['indexer_fp8_ms']} ms)")
     del dsa
     torch.cuda.empty_cache()
     with torch.device(dev):

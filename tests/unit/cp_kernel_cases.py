@@ -16,7 +16,8 @@ import titan_ext.models.glm5.indexer_triton as it  # noqa: E402
 import titan_ext.models.glm5.sparse_mla_triton as smt  # noqa: E402
 from tests.unit.kernel_device import on_device  # noqa: E402
 from titan_ext.models.context_parallel import segment_positions  # noqa: E402
-from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention  # noqa: E402
+from titan_ext.models.glm5.dsa import _index_scores, _SparseLatentAttention, indexer_topk  # noqa: E402
+from vllm_ext.dsa import ops  # noqa: E402
 
 # rank 1 of CP=2 on 96 tokens: chunks 1 and 2 of 4
 SEGMENTS, SEQ = [0, 24, 24, 24, 48, 24], 96
@@ -38,6 +39,37 @@ def test_index_scores_kernel_matches_torch():
     finite = torch.isfinite(ref)
     # fp32 sums (32 products, 3 heads) in another order than torch's
     assert (got[finite] - ref[finite]).abs().max().item() <= 1e-5 * ref[finite].abs().max().item()
+
+
+def test_index_scores_kernel_scales_keys_and_skips_future_tiles():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 70, 2, 16, generator=gen)
+    k = torch.randn(1, 300, 16, generator=gen)  # key tiles 0..127, 128..255, 256..299: two wholly in the future
+    w = torch.randn(1, 70, 2, generator=gen)
+    ks = torch.rand(1, 300, generator=gen) + 0.5
+    ref = _index_scores(q, k * ks[..., None], w, 0, 0, 0.3)
+    got = it.index_scores(*on_device(q, k, w), 0, 0, 0.3, *on_device(ks)).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    assert (got[finite] - ref[finite]).abs().max().item() <= 1e-5 * ref[finite].abs().max().item()
+
+
+def test_fp8_indexer_picks_the_keys_vllm_picks_ties_included():
+    """On CUDA the fp8 values go through the kernel and one top-k per query chunk, which must keep
+    the earliest of tied keys (torch 2.11's CUDA top-k does, measured up to 131,072-key rows); on
+    the CPU the torch path's stable sort. Every third query's heads score most keys exactly 0."""
+    gen = torch.Generator().manual_seed(4)
+    seq, heads, topk = 2600, 2, 2048
+    q, k = torch.randn(seq, heads, 128, generator=gen), torch.randn(seq, 128, generator=gen).abs()
+    q[::3] = -q[::3].abs()
+    w = torch.rand(seq, heads, generator=gen)
+    k_fp8, k_scale = ops.quantize_index_keys(k)
+    want = ops.rank_keys(q, w, k_fp8, k_scale, torch.arange(seq), topk, softmax_scale=128 ** -0.5)
+    qd, kd, wd = on_device(q[None], k[None], w[None] * heads ** -0.5)
+    got = indexer_topk(qd, kd, wd, topk, [0, 0, seq], 1024, 512, 128 ** -0.5, fp8=True)[0].cpu()
+    for m in range(0, seq, 7):
+        chosen = sorted(i for i in want[m].tolist() if i >= 0)
+        assert sorted(i for i in got[m].tolist() if i <= m) == chosen, f"query {m}"
 
 
 def test_sparse_attention_at_global_positions_matches_torch():

@@ -80,9 +80,7 @@ def test_titan_ext_indexer_with_fp8_ranking_selects_what_vllm_selects():
     w = torch.rand(seq, heads, generator=gen)
     k_fp8, k_scale = ops.quantize_index_keys(k)
     want = ops.rank_keys(q, w, k_fp8, k_scale, torch.arange(seq), topk, softmax_scale=128 ** -0.5)
-    qd, kd = ops.as_vllm_indexer_sees(q, k)
-    got = indexer_topk(qd[None], kd[None], w[None] * heads ** -0.5, topk, [0, 0, seq], 16, 8, 128 ** -0.5,
-                       earliest_ties=True)[0]
+    got = indexer_topk(q[None], k[None], w[None] * heads ** -0.5, topk, [0, 0, seq], 16, 8, 128 ** -0.5, fp8=True)[0]
     for m in range(seq):
         chosen = [i for i in want[m].tolist() if i >= 0]
         assert got[m, : len(chosen)].tolist() == chosen, f"query {m}"

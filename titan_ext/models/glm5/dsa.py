@@ -44,7 +44,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.nn_modules import LayerNorm
 from torchtitan.protocols.module import Module
 
-from vllm_ext.dsa.ops import as_vllm_indexer_sees
+from vllm_ext.dsa.ops import as_vllm_indexer_sees, quantize_index_keys, quantize_index_queries
 
 from ..context_parallel import chunks, flat_segments, segment_positions
 from ..matmul import bmm_fp32
@@ -63,8 +63,9 @@ class LightningIndexer(Module):
         rope_dim: int
         topk: int
         linear_init: dict | None = None
-        # Queries and keys scored per step: the [query_chunk, heads, key_chunk] scratch; the
-        # selection keeps a running top-k over key chunks, never a [queries, S] logits row block.
+        # Queries scored per step; on CUDA each step scores all the keys they may see ([query_chunk, S]
+        # fp32), the torch path `key_chunk` at a time ([query_chunk, heads, key_chunk] scratch, merged
+        # into a running top-k), never a [queries, S] logits block per head (`indexer_topk`).
         query_chunk: int = 1024
         key_chunk: int = 4096
         # Rank keys from fp8 queries and keys as vLLM's indexer does (`vllm_ext.dsa.ops`), so the
@@ -126,8 +127,6 @@ class LightningIndexer(Module):
         `segments` (`context_parallel.flat_segments`) give the queries' global positions. Causal:
         later keys score -inf, so a query selects one only when it has fewer than `topk` keys to
         choose from (the attention ignores those)."""
-        if self.fp8_ranking:
-            q, k = as_vllm_indexer_sees(q, k)
         if q.dtype != torch.float32 and not q.is_cuda:
             q, k = q.float(), k.float()
         topk = min(self.topk, k.size(1))
@@ -201,45 +200,64 @@ def key_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("titan_ext::dsa_indexer_topk", mutates_args=())
 def indexer_topk(
     q_BLHD: torch.Tensor, k_BSD: torch.Tensor, w_BLH: torch.Tensor, topk: int, segments: list[int],
-    query_chunk: int, key_chunk: int, scale: float, earliest_ties: bool = False,
+    query_chunk: int, key_chunk: int, scale: float, fp8: bool = False,
 ) -> torch.Tensor:
     """The indexer's scoring and top-k: `[B, L, topk]` indices into the keys.
 
     Queries go chunk by chunk (`segments` give their global positions); each chunk scores
-    only the keys it may see (at least `topk` of them), `key_chunk` at a time, merging every
-    key chunk's scores into a running top-k, so scratch is `[query_chunk, heads, key_chunk]`
-    whatever the sequence length. One opaque op on purpose: selective activation
-    checkpointing (TorchTitan's default) caches the output of every matmul it sees, which here
-    would keep every chunk's score scratch and then find it mutated by the in-place ReLU and
-    causal mask. Hidden inside one op, the scratch lives only while the op runs;
-    checkpointing recomputes the op like any other cheap op."""
+    only the keys it may see (at least `topk` of them). On CUDA (`indexer_triton`) a chunk scores
+    them all at once (`[B, query_chunk, S]` fp32, 512 MiB at 131k tokens and 1,024 queries) and
+    takes one top-k: merging a running top-k over key chunks cost more than the scores (at 131k on
+    the H200, 692 ms against 269 ms in one). The torch path (CPU) forms every head's scores, so
+    it goes `key_chunk` keys at a time, merging each chunk into a running top-k: scratch
+    `[query_chunk, heads, key_chunk]` whatever the sequence length.
+
+    `fp8`: rank as vLLM's indexer does (`vllm_ext.dsa.ops`): fp8 queries and keys with
+    power-of-two scales, and equal scores go to the earlier key (fp8 scores tie often: every key
+    a query's ReLU zeroes scores 0). CUDA's top-k keeps the earliest of equal values at the
+    boundary (a GPU kernel case checks it); the torch path sorts stably.
+
+    One opaque op on purpose: selective activation checkpointing (TorchTitan's default) caches
+    the output of every matmul it sees, which here would keep every chunk's score scratch and
+    then find it mutated by the in-place ReLU and causal mask. Hidden inside one op, the scratch
+    lives only while the op runs; checkpointing recomputes the op like any other cheap op."""
     bsz, seqlen = q_BLHD.shape[:2]
+    kernels = _indexer_kernels() if q_BLHD.is_cuda else None
+    on_gpu = kernels is not None and kernels.supported(q_BLHD)
+    k_scale = None
+    if fp8 and on_gpu:  # fp8 values (exact in bf16), the query scales folded into the head weights
+        (q_BLHD, q_scale), (k_BSD, k_scale) = quantize_index_queries(q_BLHD), quantize_index_keys(k_BSD)
+        q_BLHD, k_BSD, w_BLH = q_BLHD.to(torch.bfloat16), k_BSD.to(torch.bfloat16), w_BLH * q_scale
+    elif fp8:
+        q_BLHD, k_BSD = as_vllm_indexer_sees(q_BLHD, k_BSD)
     out = torch.empty(bsz, seqlen, topk, dtype=torch.long, device=q_BLHD.device)
     for l0, l1, g0 in chunks(segments, query_chunk):
         kend = min(k_BSD.size(1), max(g0 + l1 - l0, topk))
-        out[:, l0:l1] = _chunk_topk(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, topk, key_chunk, scale,
-                                    earliest_ties)
+        if on_gpu:
+            scores = kernels.index_scores(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, 0, scale,
+                                          None if k_scale is None else k_scale[:, :kend])
+            out[:, l0:l1] = scores.topk(min(topk, kend), dim=-1).indices
+        else:
+            out[:, l0:l1] = _chunk_topk(q_BLHD[:, l0:l1], k_BSD[:, :kend], w_BLH[:, l0:l1], g0, topk, key_chunk,
+                                        scale, fp8)
     return out
 
 
 @indexer_topk.register_fake
-def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale, earliest_ties=False):
+def _(q_BLHD, k_BSD, w_BLH, topk, segments, query_chunk, key_chunk, scale, fp8=False):
     return q_BLHD.new_empty(*q_BLHD.shape[:2], topk, dtype=torch.long)
 
 
 def _chunk_topk(q_BCHD, k_BTD, w_BCH, g0: int, topk: int, key_chunk: int, scale: float,
                 earliest_ties: bool = False) -> torch.Tensor:
-    """Top-k keys of `c` consecutive queries at global positions g0.. over keys `k_BTD` (a running
-    top-k across key chunks; a single chunk is a plain top-k). With `earliest_ties`, equal scores
-    go to the earlier key, as in vLLM's (`vllm_ext.dsa.ops.causal_topk`): fp8 scores tie often
-    (every key a query's ReLU zeroes scores 0). A stable sort keeps that across chunks: the running
-    best holds only earlier keys, listed before the new chunk's."""
+    """Top-k keys of `c` consecutive queries at global positions g0.. over keys `k_BTD`, a running
+    top-k across key chunks (the torch path). With `earliest_ties`, equal scores go to the earlier
+    key, as in vLLM's (`vllm_ext.dsa.ops.causal_topk`); a stable sort keeps that across chunks: the
+    running best holds only earlier keys, listed before the new chunk's."""
     bsz, c = q_BCHD.shape[:2]
-    kernels = _indexer_kernels() if q_BCHD.is_cuda else None
-    scores = kernels.index_scores if kernels is not None and kernels.supported(q_BCHD) else _index_scores
     best_v = best_i = None
     for t0 in range(0, k_BTD.size(1), key_chunk):
-        index_scores = scores(q_BCHD, k_BTD[:, t0:t0 + key_chunk], w_BCH, g0, t0, scale)
+        index_scores = _index_scores(q_BCHD, k_BTD[:, t0:t0 + key_chunk], w_BCH, g0, t0, scale)
         keys = torch.arange(t0, t0 + index_scores.size(-1), device=k_BTD.device).expand(bsz, c, -1)
         if best_v is not None:
             index_scores, keys = torch.cat([best_v, index_scores], -1), torch.cat([best_i, keys], -1)
