@@ -1,12 +1,23 @@
 """GLM-5's DSA attention layer on one GPU against dense MLA attention: forward+backward time and peak memory.
 
 titan_ext's DSAAttention (sparse implementation: the Triton kernels of glm5/sparse_mla_triton.py
-on CUDA, "impl" in each entry) at 32k and 128k tokens against TorchTitan's dense MLA attention
+on CUDA, "impl" in each entry) at 32k, 64k and 128k tokens against TorchTitan's dense MLA attention
 (causal SDPA) at the same length; with all 64 heads, or half of them where 64 run out of
 memory. Writes the keys ``dsa`` (one entry per length) and ``dsa_run`` of the results file
 (other keys kept):
 
     python -m benchmarks.dsa_layer --out benchmarks/results/moe_block_h200.json
+
+Each entry's ``tflop`` counts the layer's work (``layer_flops``), with T tokens, H heads, latent
+width C = kv_lora_rank + rope dim (576) of which V = kv_lora_rank (512) are values, and
+n_sel = sum over positions p of min(topk, p + 1) selected (query, key) pairs:
+- sparse attention in the absorbed form, fwd+bwd = 3 x fwd: 3 * 2 * H * (C + V) * n_sel;
+- the indexer's scores, forward only (it is frozen): 2 * Hi * Di * T (T + 1) / 2;
+- the projections with gradients (wq_a, wq_b, wkv_a, the absorbed W_uk / W_uv, wo), fwd+bwd =
+  3 x fwd: 6 * T * their weights; the indexer's (wq_b, wk, weights_proj), forward only: 2 * T * weights.
+GLM-5 at 131,072 tokens: 111 + 70 + 130 + 2.5 = 314 TFLOP. ``tflops`` divides it by the measured
+time and ``fraction_of_dense_bf16`` by the dense bf16 matmul rate measured in the same run
+(``dsa_run.dense_bf16_tflops``).
 """
 
 from __future__ import annotations
@@ -25,7 +36,28 @@ titan_ext.activate()  # the trainer's patches (patches/), before torchtitan is i
 from titan_ext.models import get_arch  # noqa: E402
 from titan_ext.models.builder import build_model_config  # noqa: E402
 
-from .gpu_bench import RESULTS, Clock, ResultsFile, cuda_device, run_info, timed, zero_grads  # noqa: E402
+from .gpu_bench import (  # noqa: E402
+    RESULTS, Clock, ResultsFile, cuda_device, dense_bf16_tflops, run_info, timed, zero_grads,
+)
+
+
+def layer_flops(arch, tokens: int, heads: int) -> dict[str, float]:
+    """FLOPs of one DSA layer's forward+backward over `tokens` (the module docstring's formula)."""
+    latent, values = arch.kv_lora_rank + arch.qk_rope_head_dim, arch.kv_lora_rank
+    topk = arch.index_topk
+    n_sel = topk * tokens - topk * (topk - 1) // 2 if tokens >= topk else tokens * (tokens + 1) // 2
+    qk_head = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    trained = (arch.dim * arch.q_lora_rank + arch.q_lora_rank * heads * qk_head
+               + arch.dim * latent + heads * arch.qk_nope_head_dim * arch.kv_lora_rank
+               + heads * arch.kv_lora_rank * arch.v_head_dim + heads * arch.v_head_dim * arch.dim)
+    frozen = (arch.q_lora_rank * arch.index_n_heads * arch.index_head_dim + arch.dim * arch.index_head_dim
+              + arch.dim * arch.index_n_heads)
+    parts = {
+        "attention": 3 * 2 * heads * (latent + values) * n_sel,
+        "indexer_scores": 2 * arch.index_n_heads * arch.index_head_dim * tokens * (tokens + 1) / 2,
+        "projections": 6 * tokens * trained + 2 * tokens * frozen,
+    }
+    return {**parts, "total": sum(parts.values())}
 
 
 def _init_bf16(m: torch.nn.Module) -> torch.nn.Module:
@@ -80,6 +112,8 @@ def measure(entry: dict, arch, dev, iters: int, clock: Clock) -> None:
     entry["dense_ms"] = round(timed(step(dense), 1 if tokens > 65536 else iters, 1), 1)
     entry["dense_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     entry["speedup_vs_dense"] = round(entry["dense_ms"] / entry["ms"], 2)
+    entry["tflop"] = round(layer_flops(arch, tokens, heads)["total"] / 1e12, 1)
+    entry["tflops"] = round(entry["tflop"] / entry["ms"] * 1e3, 1)
     clock.log(f"dense MLA T={tokens} heads={heads}: {entry['dense_ms']} ms, peak {entry['dense_gib']} GiB")
     del dense, x, gy
     torch.cuda.empty_cache()
@@ -88,19 +122,21 @@ def measure(entry: dict, arch, dev, iters: int, clock: Clock) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=RESULTS)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--iters", type=int, default=2)
     args = ap.parse_args()
     clock, results = Clock(), ResultsFile(Path(args.out))
     dev = cuda_device()
     arch = get_arch("glm5", "full")
     entries: list[dict] = []
-    part = {"dsa": entries, "dsa_run": run_info(__spec__.name)}
+    dense = dense_bf16_tflops()
+    part = {"dsa": entries, "dsa_run": {**run_info(__spec__.name), "dense_bf16_tflops": round(dense, 1)}}
     for tokens in args.tokens:
         for heads in (arch.n_heads, arch.n_heads // 2):
             entry = {"tokens": tokens, "heads": heads}
             try:
                 measure(entry, arch, dev, args.iters, clock)
+                entry["fraction_of_dense_bf16"] = round(entry["tflops"] / dense, 3)
                 entries.append(entry)
                 results.update(part)
                 break
