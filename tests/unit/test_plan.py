@@ -60,14 +60,15 @@ def test_optimizer_state_equals_adamw_on_the_model():
     assert mem.params == sum(p.numel() for p in model.parameters()) * FP32
 
 
-def test_dsa_layer_memory_within_0_25pct_of_h200_peak():
-    """One GLM-5 DSA layer: 13.10 / 45.42 GiB predicted against 13.07 / 45.44 measured."""
+def test_dsa_layer_memory_within_0_5pct_of_h200_peak():
+    """One GLM-5 DSA layer at 32k, 64k, 131k tokens: predicted within 0.5% of the measured peaks (two
+    runs of the same code measured 13.07 and 13.04 GiB at 32k)."""
     arch = load_arch("glm5")
     points = RATES.dsa_points()
-    assert [p.tokens for p in points] == [32768, 131072]
+    assert [p.tokens for p in points] == [32768, 65536, 131072]
     for p in points:
         predicted = dsa_layer(arch, p.tokens).peak_with_grads / GIB
-        assert abs(predicted / p.gib_above_inputs.value - 1) < 0.0025, (p.tokens, predicted, p.gib_above_inputs)
+        assert abs(predicted / p.gib_above_inputs.value - 1) < 0.005, (p.tokens, predicted, p.gib_above_inputs)
 
 
 # the measured peaks of one MoE block against the model: within 5.5% in bf16 and 10% in fp8 (the fp8
