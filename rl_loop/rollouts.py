@@ -90,15 +90,16 @@ def completion_body(model: str, prompt_ids: list[int], *, n: int, max_tokens: in
 
 
 # vLLM's API server closes an idle keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
-# aiohttp keeps one pooled for 15 s. Between RL steps (more than 5 s apart) the client would reuse connections
-# the server has closed: measured, 81 "Server disconnected" retries in one 30-step tools run. So the pool drops a
-# connection before the server does.
-REPLICA_KEEPALIVE_S = 4.0
+# a client that reuses one the server has just closed gets "Server disconnected". Pooling for less than 5 s
+# was not enough: a 30-step tools run on 2 cores still logged dozens of them (the orchestrator's loop, busy
+# scoring, expired its pooled connections late), and a retry that met a second stale connection would take a
+# healthy replica out of rotation. So every request opens its own connection: on the host or the LAN that
+# costs well under a millisecond against requests of tens of milliseconds and more.
 
 
 def replica_session() -> aiohttp.ClientSession:
-    """The HTTP session for requests to the replicas."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=REPLICA_KEEPALIVE_S))
+    """The HTTP session for requests to the replicas (no pooled connections)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
 async def request_group(session: aiohttp.ClientSession, replica: Replica, model: str, prompt_ids: list[int], *,
@@ -130,8 +131,7 @@ async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica]
 
     `pick` is a `router.Router` (the llm-d EPP's client sees the request body) or a function
     `(replicas, key) -> Replica` (the embedded router). A transport error is retried once on the
-    same replica before it counts as dead: a pooled keep-alive connection the server closed just
-    as it was reused fails the same way (`replica_session` makes that rare).
+    same replica before it counts as dead (a server that drops one connection is not yet dead).
     """
     router = as_router(pick)
     body = completion_body(model, prompt_ids, **{k: v for k, v in kw.items() if k != "timeout_s"})
