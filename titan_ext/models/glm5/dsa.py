@@ -207,10 +207,10 @@ def indexer_topk(
     Queries go chunk by chunk (`segments` give their global positions); each chunk scores
     only the keys it may see (at least `topk` of them). On CUDA (`indexer_triton`) a chunk scores
     them all at once (`[B, query_chunk, S]` fp32, 512 MiB at 131k tokens and 1,024 queries) and
-    takes one top-k: merging a running top-k over key chunks cost more than the scores (at 131k on
-    the H200, 692 ms against 269 ms in one). The torch path (CPU) forms every head's scores, so
-    it goes `key_chunk` keys at a time, merging each chunk into a running top-k: scratch
-    `[query_chunk, heads, key_chunk]` whatever the sequence length.
+    takes one top-k: merging a running top-k over key chunks cost more than the scores (the
+    indexer at 131k on the H200, `benchmarks.dsa_layer`: 694 ms merging, 248 ms in one). The torch
+    path (CPU) forms every head's scores, so it goes `key_chunk` keys at a time, merging each chunk
+    into a running top-k: scratch `[query_chunk, heads, key_chunk]` whatever the sequence length.
 
     `fp8`: rank as vLLM's indexer does (`vllm_ext.dsa.ops`): fp8 queries and keys with
     power-of-two scales, and equal scores go to the earlier key (fp8 scores tie often: every key

@@ -13,14 +13,14 @@ summation order, which is how the unit test compares them under `TRITON_INTERPRE
 
 fp8 ranking runs as bf16 matmuls of the fp8 values (every e4m3 value is a bf16 value, and bf16
 products sum in fp32), not as fp8 matmuls: on the H200 Triton's fp8 `tl.dot` sums with the
-tensor cores' reduced-precision accumulator, and at 16k tokens 16% of the queries then chose a
-key set other than vLLM's fp32 ranking (one key of 2,048 each); promoting it to fp32
-(`max_num_imprecise_acc`) made the kernel 4-10x slower. The bf16 form chose vLLM's set for all
-but 1 in 16,384 queries. Needs a power-of-two head dim of at least 16 (128 for GLM-5).
+tensor cores' reduced-precision accumulator, which in a one-off trial (not kept) made many queries
+choose a key set other than vLLM's fp32 ranking, by one key at the boundary; promoting it to fp32
+(`max_num_imprecise_acc`) made the kernel several times slower. The GPU kernel case
+`test_fp8_indexer_picks_the_keys_vllm_picks_ties_included` checks the bf16 form against vLLM's
+ranking. Needs a power-of-two head dim of at least 16 (128 for GLM-5).
 
-Launch settings: BLOCK_M 64, BLOCK_N 128, 4 warps, 3 stages, the fastest of five tried on the
-H200 over a whole 131k-token causal sequence with fp8 inputs (64x64 124 ms, 64x128 110, 128x64
-263, 128x128 with 8 warps 115); `benchmarks/README.md` times the whole indexer.
+Launch settings: BLOCK_M 64, BLOCK_N 128, 4 warps, 3 stages, the fastest of five tile shapes tried
+once on the H200 over a 131k-token causal sequence; `benchmarks.dsa_layer` times the whole indexer.
 """
 
 from __future__ import annotations
