@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import gc
 import os
 import re
 import subprocess
@@ -47,6 +49,22 @@ def _spread_vllm_threads() -> None:
 
 
 _spread_vllm_threads()
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse` with the garbage collector held off while it builds the tree.
+
+    CPython 3.11 before the fix of gh-106905 (Debian's 3.11.2 here) checks a recursion depth that a
+    finalizer run by a collection during the tree's construction (or a thread it lets run) can move:
+    `SystemError: AST constructor recursion depth mismatch`, seen twice in 6 CI runs on source that
+    parses. Without a collection no Python code runs inside the construction."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source, filename)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def ulp(dtype, magnitude):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import parse_python
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("titan_ext", "vllm_ext", "router_ext", "rl_loop", "patches", "benchmarks")
 TRANSPORT = "vllm_ext.transport"
@@ -40,7 +42,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     resolved: for ``from base import x``, ``base.x`` when that is a module of ``modules``, else ``base``."""
     is_pkg = path.stem == "__init__"
     targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_python(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -160,7 +162,7 @@ def path_edits(source: str, filename: str = "<string>") -> list[int]:
     that are Python (code handed to ``python -c`` or to a worker): a line in such a string counts as
     the line where the string starts."""
     lines = []
-    for node in ast.walk(ast.parse(source, filename)):
+    for node in ast.walk(parse_python(source, filename)):
         if (text := _string_text(node)) is not None:
             if "sys." in text:
                 try:

@@ -21,6 +21,7 @@ import textwrap
 import pytest
 
 import patches
+from tests.conftest import parse_python
 from tests.unit.test_import_graph import ROOT
 
 UPSTREAM = ("vllm", "torch", "torchtitan", "transformers", "safetensors")
@@ -45,7 +46,7 @@ def upstream_writes(source: str) -> list[tuple[int, str]]:
     inside functions too), by `importlib.import_module` of one, or by assigning or iterating
     over upstream names (`cls = mod.Scheduler`, `for mod in (chat_mod, cmpl_mod)`). Names are
     not told apart by scope: a local that shadows an upstream name counts as upstream."""
-    tree = ast.parse(source)
+    tree = parse_python(source)
     strings = {t.id: n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
                and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
                for t in n.targets if isinstance(t, ast.Name)}
