@@ -4,7 +4,9 @@ titan_ext's DSAAttention (sparse implementation: the Triton kernels of glm5/spar
 on CUDA, "impl" in each entry) at 32k, 64k and 128k tokens against TorchTitan's dense MLA attention
 (causal SDPA) at the same length; with all 64 heads, or half of them where 64 run out of
 memory. Writes the keys ``dsa`` (one entry per length) and ``dsa_run`` of the results file
-(other keys kept):
+(other keys kept), and ``dsa_kernels``: the sparse attention's Triton kernels alone, forward and
+backward, in every launch setting of their lists (`sparse_mla_triton.CONFIGS`; the first that fits
+is what the layer runs), on random causal selections of top-k keys:
 
     python -m benchmarks.dsa_layer --out benchmarks/results/moe_block_h200.json
 
@@ -58,6 +60,52 @@ def layer_flops(arch, tokens: int, heads: int) -> dict[str, float]:
         "projections": 6 * tokens * trained + 2 * tokens * frozen,
     }
     return {**parts, "total": sum(parts.values())}
+
+
+def kernel_sweep(tokens: int, arch, dev, clock: Clock) -> list[dict]:
+    """Milliseconds and TFLOP/s of the sparse attention kernels per launch setting at `tokens`:
+    the forward for each forward setting; the backward (both passes) for each pass-1 setting with
+    the first pass-2 one, and for each pass-2 setting with the first pass-1 one. One query per
+    token, all heads, `index_topk` keys drawn uniformly among the earlier ones (the first
+    `index_topk` queries take keys 0..topk-1, the later of which they mask)."""
+    from titan_ext.models.glm5 import sparse_mla_triton as smt
+
+    heads, topk = arch.n_heads, arch.index_topk
+    latent, values = arch.kv_lora_rank + arch.qk_rope_head_dim, arch.kv_lora_rank
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    q = torch.randn(1, tokens, heads, latent, device=dev, dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(1, tokens, latent, device=dev, dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(tokens, device=dev)
+    idx = (torch.rand(tokens, topk, device=dev, generator=g) * (pos[:, None] + 1)).long()
+    idx[:topk] = torch.arange(topk, device=dev)
+    idx = idx[None]
+    scale = latent**-0.5
+    n_sel = topk * tokens - topk * (topk - 1) // 2
+    fwd_flop = 2 * heads * (latent + values) * n_sel
+    out, lse = smt.sparse_mla_fwd(q, kv, idx, scale, values)
+    dout = torch.randn(out.shape, device=dev, dtype=torch.bfloat16, generator=g)
+    first_bwd, first_dkv = smt.BWD_CONFIGS[0], smt.DKV_CONFIGS[0]
+    cases = [("fwd", c, fwd_flop, lambda c=c: smt.sparse_mla_fwd(q, kv, idx, scale, values, config=c))
+             for c in smt.FWD_CONFIGS]
+    cases += [("bwd", {"pass1": c, "pass2": first_dkv}, 2 * fwd_flop,
+               lambda c=c: smt.sparse_mla_bwd(q, kv, idx, out, lse, dout, scale, config=c, dkv_config=first_dkv))
+              for c in smt.BWD_CONFIGS]
+    cases += [("bwd", {"pass1": first_bwd, "pass2": c}, 2 * fwd_flop,
+               lambda c=c: smt.sparse_mla_bwd(q, kv, idx, out, lse, dout, scale, config=first_bwd, dkv_config=c))
+              for c in smt.DKV_CONFIGS[1:]]
+    rows = []
+    for kind, config, flop, fn in cases:
+        row = {"tokens": tokens, "kernel": kind, "config": config}
+        try:
+            ms = timed(fn, 3, 1)
+            row.update(ms=round(ms, 1), tflops=round(flop / ms / 1e9, 1))
+        except Exception as e:  # a setting that does not fit this GPU's shared memory
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        clock.log(f"sparse attention {kind} T={tokens} {config}: {row.get('ms', row.get('error'))}")
+        rows.append(row)
+    del q, kv, idx, out, lse, dout
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _init_bf16(m: torch.nn.Module) -> torch.nn.Module:
@@ -124,6 +172,8 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--kernel-tokens", type=int, nargs="*", default=[32768, 131072],
+                    help="lengths of the kernel sweep (`dsa_kernels`); none to skip it")
     args = ap.parse_args()
     clock, results = Clock(), ResultsFile(Path(args.out))
     dev = cuda_device()
@@ -153,6 +203,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 break
     results.update(part)
+    if args.kernel_tokens:
+        part["dsa_kernels"] = [row for tokens in args.kernel_tokens for row in kernel_sweep(tokens, arch, dev, clock)]
+        results.update(part)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,13 @@ enter the matmuls) to a `[chunk, topk, heads]` scratch. Pass 2 (`_bwd_dkv_kernel
 back per key block and forms the key gradient `dS^T q + P^T dO` (keys as the matmul M
 dimension, heads as K, q and dO held in shared memory as the B operand), added with fp32
 atomics into a `[B*S, C]` fp32 buffer, cast to the input dtype at the end. Chunks keep the
-scratch near SCRATCH_BYTES. (The previous single kernel split the channels over two programs
-per token, both recomputing the scores: 351 ms at 32k, this 150 ms.)
+scratch near SCRATCH_BYTES. (A single kernel that split the channels over two programs per
+token, both recomputing the scores, took more than twice as long.)
 
-Measured on one H200 (Triton 3.6, torch 2.11, 32k tokens, 64 heads, top-2048, 512 + 64, causal
-random selection, bf16): forward 53 ms (177 TFLOP/s); backward 150 ms = pass 1 70 ms (205
-TFLOP/s) + pass 2 80 ms (117 TFLOP/s; all configurations tried took 80 ms or more, so the
-38.6G fp32 atomics likely bound it). Relative L2 error against the fp32 torch path at 4096
-tokens: out 0.0020, dq 0.0023, dkv 0.0024 (the same as the previous kernel). The whole DSA layer
-fwd+bwd: 322 ms at 32k (dense causal MLA 345 ms) and 1932 ms at 128k (dense 4928 ms), peak 48.8 GiB.
+Each kernel's time per launch setting, the whole layer's against dense MLA, and the error against
+the fp32 torch path: `python -m benchmarks.dsa_layer` (`moe_block_h200.json: dsa_kernels`, `dsa`)
+and the GPU check's kernel cases. The key gradient's pass is slower than its FLOPs suggest: each
+element of its output is an fp32 atomic add (vectorised four wide, `atom.add.v4.f32`).
 
 Inputs: bf16 (or fp32) `q [B, L, H, C]`, `kv [B, S, C]`, int `idx [B, L, K]` with entries
 in `[0, S)`; L == S, or under context parallel a rank's L queries at global `positions` against
@@ -52,13 +50,16 @@ LOG2E = 1.4426950408889634
 
 # Launch settings per kernel (key-block size, warps, pipeline stages; SPLIT_V for pass 2), the
 # first that fits the device's shared memory wins (checked once, at the first launch; the
-# interpreter ignores warps and stages). Backward firsts are the fastest measured on the H200
-# at 32k: pass 1 BLOCK_N 64 / 8 warps 70 ms (32 / 8 warps 92, 32 with 2 stages 129, 16 warps
-# 178+); pass 2 BLOCK_N 64 in value halves / 8 warps 80 ms (one [64, 512] tile or 2 stages:
-# out of shared memory; 32 keys / 4 warps 82-132, 16 warps 393).
-FWD_CONFIGS = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}]
+# interpreter ignores warps and stages). The firsts are the fastest of `benchmarks.dsa_layer`'s
+# sweep on the H200 (`dsa_kernels`); the later ones fit GPUs with less shared memory.
+FWD_CONFIGS = [
+    {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+]
 BWD_CONFIGS = [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}]
 DKV_CONFIGS = [
+    {"BLOCK_N": 64, "SPLIT_V": 2, "num_warps": 4, "num_stages": 1},
     {"BLOCK_N": 64, "SPLIT_V": 2, "num_warps": 8, "num_stages": 1},
     {"BLOCK_N": 32, "SPLIT_V": 2, "num_warps": 4, "num_stages": 1},
 ]
