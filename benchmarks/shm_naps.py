@@ -4,7 +4,9 @@ Side by side in one run, each case a fresh server of tiny Kimi-K2 (bf16, through
 `rl_loop.replicas.start_replica` starts it) with `MOERL_VLLM_SHM_NAP` 0 or 1, either on cores shared
 with the rest of the machine (`shared`) or pinned to the last core (`pinned`, as `moerl rl` places its
 replicas), beside a one-thread torch loop (a trainer's stand-in; pinned to the other cores in the pinned
-case). For `--seconds`, groups of 8 concurrent 64-token requests with a 0.3 s gap between groups (an RL
+case). The worker is spawned (`--distributed-executor-backend mp`): the queue is between the engine
+core and a worker process, which `rl_loop.replicas` gives a server of one worker only when asked
+(`benchmarks.replica_startup`). For `--seconds`, groups of 8 concurrent 64-token requests with a 0.3 s gap between groups (an RL
 loop's rhythm); recorded: requests answered, the server's CPU seconds (its whole process tree) and the
 torch loop's iterations.
 
@@ -37,7 +39,8 @@ def one_case(ckpt: Path, log_dir: Path, nap: str, pinned: bool, seconds: float) 
     cores = sorted(os.sched_getaffinity(0))
     server_cores = (cores[-1],) if pinned else None
     with served(f"nap{nap}-{'pinned' if pinned else 'shared'}", ckpt, log_dir, dtype="bfloat16",
-                env={ENV: nap}, max_num_seqs=16, kv_cache_gib=0.5, cpus=server_cores) as rep:
+                env={ENV: nap}, max_num_seqs=16, kv_cache_gib=0.5, cpus=server_cores,
+                extra=["--distributed-executor-backend", "mp"]) as rep:
         name = served_model_name(rep)
 
         def ask(i: int) -> None:

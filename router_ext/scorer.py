@@ -24,7 +24,8 @@ component    score in [0, 1]
 load         ``1 - in_flight / max(in_flight over A)`` (1 when that max is 0)
 queue        ``1 - waiting / max(waiting over A)`` (1 when that max is 0)
 kv           ``1 - kv_usage`` (clamped to [0, 1])
-prefix       ``prefix_match``: fraction of the prompt's blocks cached (clamped)
+prefix       ``prefix_match``: fraction of the prompt's complete blocks cached
+             (clamped; ``prefix_match()`` below)
 version      ``1 - min(lag, version_lag_window) / version_lag_window`` where
              ``lag = current - policy_version`` and ``current`` is the highest
              policy version over all endpoints: a replica still on old weights
@@ -73,6 +74,7 @@ __all__ = [
     "ScorerParams",
     "hash64",
     "home_endpoint",
+    "prefix_match",
     "score",
 ]
 
@@ -87,8 +89,9 @@ class EndpointSignals:
     ``in_flight`` and ``waiting`` mirror ``vllm:num_requests_running`` and
     ``vllm:num_requests_waiting`` (or the router's own counters, which are
     fresher); ``kv_usage`` mirrors ``vllm:kv_cache_usage_perc`` (a fraction);
-    ``prefix_match`` is the fraction of this request's prompt blocks the
-    endpoint is believed to hold (llm-d's prefix match info);
+    ``prefix_match`` is the fraction of this request's complete prompt blocks
+    the endpoint is believed to hold (``prefix_match()`` of llm-d's prefix
+    match info);
     ``policy_version`` and ``updating`` come from vllm_ext's RL metrics.
     """
 
@@ -218,6 +221,24 @@ def _ring(names: tuple[str, ...], virtual_nodes: int) -> tuple[list[int], list[i
         (hash64(f"{name}#{v}"), name, i) for i, name in enumerate(names) for v in range(virtual_nodes)
     )
     return [p[0] for p in points], [p[2] for p in points]
+
+
+def prefix_match(cached_blocks: int, total_blocks: int, prompt_tokens: int, block_tokens: int) -> float:
+    """The prefix component's input: the fraction of the prompt's *complete* blocks an endpoint holds.
+
+    A prefix producer reports `cached_blocks` of its `total_blocks` for the prompt. llm-d's
+    approximate producer counts the partial last block in `total_blocks`, which no replica can
+    have cached (vLLM caches full blocks only), so a conversation held entirely by one replica
+    scored below 1 there and lost to load. Over the prompt's complete blocks (`prompt_tokens //
+    block_tokens`, when the prompt length is known: `prompt_tokens` > 0) it scores 1. 0 when the
+    prompt has no complete block.
+    """
+    full = total_blocks
+    if prompt_tokens > 0 and block_tokens > 0:
+        full = min(full, prompt_tokens // block_tokens)
+    if full <= 0:
+        return 0.0
+    return min(max(cached_blocks, 0), full) / full
 
 
 def home_endpoint(

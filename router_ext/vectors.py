@@ -27,6 +27,7 @@ from router_ext.scorer import (
     ScorerParams,
     hash64,
     home_endpoint,
+    prefix_match,
     score,
 )
 
@@ -185,6 +186,13 @@ def _case_json(name, params, req, eps) -> dict:
     }
 
 
+# (cached, total, prompt tokens, block tokens): llm-d's approximate producer (total counts the
+# partial last block), its precise one (complete blocks only), an unknown prompt length, a prompt
+# shorter than a block, a producer capped below the prompt, and a report past the total.
+PREFIX_INPUTS = [(3, 4, 100, 32), (3, 3, 100, 32), (2, 4, 0, 32), (0, 1, 20, 32), (0, 0, 0, 64),
+                 (5, 5, 1000, 64), (4, 4, 128, 32), (7, 4, 128, 32), (1, 3, 96, 32)]
+
+
 def build() -> dict:
     """The whole vectors document; raises if a hand case's intent is not met."""
     cases = []
@@ -199,6 +207,8 @@ def build() -> dict:
     return {
         "about": "moerl-rl-scorer parity vectors; regenerate with `python -m router_ext.vectors`",
         "hashes": hashes,
+        "prefixMatches": [{"cachedBlocks": c, "totalBlocks": t, "promptTokens": n, "blockTokens": b,
+                           "prefixMatch": prefix_match(c, t, n, b)} for c, t, n, b in PREFIX_INPUTS],
         "cases": cases,
     }
 

@@ -10,7 +10,9 @@ the endpoint picked, saying which in `x-moerl-endpoint`. Checked, in one module
 
 * group affinity under concurrent requests: every request of a group lands on its
   group's home (router_ext.scorer's consistent hashing) and both replicas serve;
-* bounded load: with one replica busy past the bound, that replica's groups spill;
+* bounded load, on the picker's own count of the requests it sent and has not seen
+  answered (no scrape in the way): with one replica holding 8 of them (sent while the
+  other was paused), that replica's groups spill, and each answer lowers the count;
 * a replica paused for a weight update (real `/pause`, vllm_ext's
   `moerl:weight_update_in_progress` on its /metrics) gets no new requests;
 * a replica on a newer policy version (real `/update_weight_version`, vllm_ext's
@@ -67,7 +69,7 @@ def _wait_metric(base_url: str, name: str, ok, timeout_s: float = 30.0) -> None:
     while not ok(_metric(base_url, name)):
         assert time.time() < deadline, f"{base_url}: {name} never reached the expected value"
         time.sleep(0.05)
-    time.sleep(0.3)  # the picker scrapes every 50 ms; give it a few scrapes
+    time.sleep(1.0)  # the picker scrapes every 50 ms: a state it must see, with a wide margin on a loaded host
 
 
 def _post(url: str, body: dict | None = None) -> None:
@@ -150,43 +152,46 @@ async def _send(stack, requests: list[tuple[str, str | None]], max_tokens: int =
 
 
 def test_groups_stay_on_their_home_under_concurrent_requests(stack):
+    """Each group's 3 requests at once, group after group: under the load bound (home loads 0, 1, 2
+    against capacities 1, 2, 3) every one stays home, on the picker's count as on the embedded router's."""
     groups = {k: "r0" for k in _keys_homed("r0", 3, "affinity")} | {k: "r1" for k in _keys_homed("r1", 3, "affinity")}
-    requests = [(k, k) for k in groups for _ in range(3)]
-    results = asyncio.run(_send(stack, requests))
-    assert all(status == 200 for status, _ in results), results
     served: dict[str, set[str]] = {}
-    for (key, _), (_, name) in zip(requests, results):
-        served.setdefault(key, set()).add(name)
+    for key in groups:
+        results = asyncio.run(_send(stack, [(key, key)] * 3))
+        assert all(status == 200 for status, _ in results), results
+        served[key] = {name for _, name in results}
     assert served == {k: {home} for k, home in groups.items()}
 
 
 def test_a_replica_past_the_load_bound_loses_its_groups(stack):
-    r0 = stack["replicas"]["r0"]
-    async def run():
-        async with aiohttp.ClientSession() as session:  # another client keeps 8 requests running on r0
-            async def keep_busy(i):
-                # Long enough to outlast the spilled requests: short ones (60-180 tokens) left r0 with
-                # 0-1 running for stretches between a finish and the next request, and the picker,
-                # rightly, sent a spilled request there. Lengths differ, so the 8 never end together.
-                body = {"model": stack["model"], "prompt": _prompt("busy"), "max_tokens": 800 + 17 * i,
-                        "temperature": 0, "ignore_eos": True}
-                while True:
-                    async with session.post(r0.base_url + "/v1/completions", json=body) as resp:
-                        await resp.read()
+    r0, r1 = stack["replicas"]["r0"], stack["replicas"]["r1"]
+    _post(r1.base_url + "/pause?mode=keep")
+    try:
+        _wait_metric(r1.base_url, "moerl:weight_update_in_progress", lambda v: v == 1)
 
-            busy = [asyncio.create_task(keep_busy(i)) for i in range(8)]
+        async def run():
+            # 8 requests through the picker while r1 is paused: all on r0, in the picker's count until answered.
+            # Lengths differ, so they end one by one; r0 stays past the bound while 3 or more run.
+            busy = [asyncio.create_task(_send(stack, [(f"busy-{i}", None)], max_tokens=300 + 40 * i)) for i in range(8)]
             try:
                 await asyncio.to_thread(_wait_metric, r0.base_url, "vllm:num_requests_running", lambda v: v >= 8)
-                return [await _send(stack, [(k, k)]) for k in _keys_homed("r0", 3, "bound")]
+                await asyncio.to_thread(_post, r1.base_url + "/resume")
+                await asyncio.to_thread(_wait_metric, r1.base_url, "moerl:weight_update_in_progress", lambda v: v == 0)
+                spilled = [await _send(stack, [(k, k)]) for k in _keys_homed("r0", 3, "bound")]
+                still_running = sum(not t.done() for t in busy)
             finally:
-                for task in busy:  # the client goes away: vLLM aborts its requests
-                    task.cancel()
-                await asyncio.gather(*busy, return_exceptions=True)
+                done = await asyncio.gather(*busy)
+            return spilled, still_running, done
 
-    spilled = asyncio.run(run())
-    # load 8 vs 0: capacity ceil(1.5 * 9 / 2) = 7 (5 at load 5), so r0's groups go to their ring successor
+        spilled, still_running, busy = asyncio.run(run())
+    finally:
+        _post(r1.base_url + "/resume")
+    assert busy == [[(200, "r0")]] * 8, busy
+    assert still_running >= 3, still_running  # r0 was past the bound for all three (see above)
+    # load 8 vs 0: capacity ceil(1.5 * 9 / 2) = 7 (3 at load 3), so r0's groups go to their ring successor
     assert [r[0] for r in spilled] == [(200, "r1")] * 3, spilled
-    _wait_metric(r0.base_url, "vllm:num_requests_running", lambda v: v == 0)
+    # every answer went back through the picker: r0's groups are home again
+    assert asyncio.run(_send(stack, [(k, k) for k in _keys_homed("r0", 2, "bound-after")])) == [(200, "r0")] * 2
 
 
 def test_a_replica_in_a_weight_update_gets_no_new_requests(stack):

@@ -56,7 +56,7 @@ def test_to_yaml_round_trips_awkward_scalars():
     assert yaml.safe_load(config.to_yaml(doc)) == doc
 
 
-def test_kv_events_put_llm_d_precise_prefix_scorer_next_to_moerls(tmp_path, capsys):
+def test_kv_events_feed_llm_d_precise_prefix_producer_to_moerls_scorer(tmp_path, capsys):
     rc = config.main(["--endpoints", "r0=127.0.0.1:18001,r1=127.0.0.1:18002", "--out", str(tmp_path),
                       "--kv-events", "tcp://127.0.0.1:5557", "--model", "/m/tiny"])
     assert rc == 0
@@ -69,12 +69,11 @@ def test_kv_events_put_llm_d_precise_prefix_scorer_next_to_moerls(tmp_path, caps
                                                         "discoverPods": False}
     assert producer["parameters"]["tokenProcessorConfig"] == {"blockSizeTokens": 32}
     profile = {p["pluginRef"]: p.get("weight") for p in cfg["schedulingProfiles"][0]["plugins"]}
-    defaults = ScorerParams()
-    # the formula's scale: rl-scorer's normalised total x its weights' sum (prefix moved out) + w_prefix x match
-    assert profile == {"paused-filter": None, "rl-scorer": defaults.weight_sum - defaults.w_prefix,
-                       "precise-prefix-scorer": defaults.w_prefix, "picker": None}
-    assert plugins["rl-scorer"]["parameters"]["weights"]["prefix"] == 0
-    assert plugins["precise-prefix-scorer"]["parameters"]["prefixMatchInfoProducerName"] == "precise-prefix"
+    # moerl's scorer alone reads the match (over the prompt's complete blocks), at the formula's prefix weight
+    assert profile == {"paused-filter": None, "rl-scorer": 1, "picker": None}
+    assert plugins["rl-scorer"]["parameters"]["prefixMatchInfoProducerName"] == "precise-prefix"
+    assert plugins["rl-scorer"]["parameters"]["weights"]["prefix"] == ScorerParams().w_prefix
+    assert "prefix-cache-scorer" not in {p["type"] for p in cfg["plugins"]}
     out = capsys.readouterr().out
     assert "--allow-experimental-plugins" in out and "--enable-pprof=false" in out
     topic = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
@@ -82,3 +81,13 @@ def test_kv_events_put_llm_d_precise_prefix_scorer_next_to_moerls(tmp_path, caps
     assert f"replica r1: vllm ... --kv-events-config '{json.dumps(topic)}'" in out
     with pytest.raises(SystemExit):
         config.main(["--endpoints", "r0=127.0.0.1:1", "--out", str(tmp_path), "--kv-events", "tcp://127.0.0.1:5557"])
+
+
+def test_llmd_default_profile_has_llm_ds_three_scorers_and_no_moerl_plugin(tmp_path):
+    cfg_path, _ = config.write(config.parse_endpoints(["r0=127.0.0.1:18001"]), tmp_path, llmd_default=True)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    types = {p["name"]: p["type"] for p in cfg["plugins"]}
+    assert not any(t.startswith("moerl-") for t in types.values())
+    profile = {p["pluginRef"]: p.get("weight") for p in cfg["schedulingProfiles"][0]["plugins"]}
+    assert profile == {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix-cache-scorer": 3, "picker": None}
+    assert types["prefix-producer"] == "approx-prefix-cache-producer"

@@ -180,6 +180,21 @@ func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, v
 	panic("unreachable: some endpoint is always below capacity")
 }
 
+// PrefixMatch is the fraction of a prompt's complete blocks an endpoint holds
+// (prefix_match in scorer.py, where the reason is written down): cached of
+// total blocks as a prefix producer reports them, over min(total,
+// promptTokens/blockTokens) when promptTokens > 0.
+func PrefixMatch(cachedBlocks, totalBlocks, promptTokens, blockTokens int) float64 {
+	full := totalBlocks
+	if promptTokens > 0 && blockTokens > 0 {
+		full = min(full, promptTokens/blockTokens)
+	}
+	if full <= 0 {
+		return 0
+	}
+	return float64(min(max(cachedBlocks, 0), full)) / float64(full)
+}
+
 func clamp01(x float64) float64 {
 	if x < 0 {
 		return 0

@@ -34,6 +34,13 @@ type vectorDoc struct {
 		Input  string `json:"input"`
 		Hash64 string `json:"hash64"`
 	} `json:"hashes"`
+	PrefixMatches []struct {
+		CachedBlocks int     `json:"cachedBlocks"`
+		TotalBlocks  int     `json:"totalBlocks"`
+		PromptTokens int     `json:"promptTokens"`
+		BlockTokens  int     `json:"blockTokens"`
+		PrefixMatch  float64 `json:"prefixMatch"`
+	} `json:"prefixMatches"`
 	Cases []vectorCase `json:"cases"`
 }
 
@@ -61,6 +68,19 @@ func TestHashVectors(t *testing.T) {
 		}
 		if got := Hash64(h.Input); got != want {
 			t.Errorf("Hash64(%q) = %d, want %d", h.Input, got, want)
+		}
+	}
+}
+
+func TestPrefixMatchVectors(t *testing.T) {
+	doc := loadVectors(t)
+	if len(doc.PrefixMatches) == 0 {
+		t.Fatal("no prefixMatches in the vectors")
+	}
+	for _, v := range doc.PrefixMatches {
+		if got := PrefixMatch(v.CachedBlocks, v.TotalBlocks, v.PromptTokens, v.BlockTokens); math.Abs(got-v.PrefixMatch) > 1e-12 {
+			t.Errorf("PrefixMatch(%d, %d, %d, %d) = %v, want %v", v.CachedBlocks, v.TotalBlocks, v.PromptTokens,
+				v.BlockTokens, got, v.PrefixMatch)
 		}
 	}
 }

@@ -4,12 +4,14 @@
 // It registers two plugin types:
 //
 //   - moerl-rl-scorer: a Scorer returning the formula's normalised total in
-//     [0, 1] for each endpoint. Its inputs are the standard vLLM metrics the
-//     core metrics extractor already maps (running, waiting, KV usage), the
-//     PrefixCacheMatchInfo produced by llm-d's approx-prefix-cache-producer,
-//     and two custom scalar attributes for vllm_ext's RL metrics (policy
-//     version, weight update in progress) mapped by the extractor's
-//     customMetrics.
+//     [0, 1] for each endpoint. Its inputs: the requests this picker has in
+//     flight on each endpoint, counted by the scorer itself through llm-d's
+//     PreRequest and response hooks (inflight.go); vLLM's waiting queue and KV
+//     usage as the core metrics extractor maps them; the PrefixCacheMatchInfo
+//     of llm-d's precise (KV events) or approximate prefix producer, over the
+//     prompt's complete blocks; and two custom scalar attributes for
+//     vllm_ext's RL metrics (policy version, weight update in progress)
+//     mapped by the extractor's customMetrics.
 //   - moerl-paused-filter: a Filter dropping endpoints whose update flag is
 //     set. The scorer already gives them 0, but llm-d sums every scorer of
 //     a profile, so only a filter guarantees a paused replica is never
@@ -23,7 +25,9 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/llm-d/llm-d-router/pkg/epp/framework/interface/datalayer"
 	"github.com/llm-d/llm-d-router/pkg/epp/framework/interface/plugin"
+	"github.com/llm-d/llm-d-router/pkg/epp/framework/interface/requestcontrol"
 	fwksched "github.com/llm-d/llm-d-router/pkg/epp/framework/interface/scheduling"
 	attrmetrics "github.com/llm-d/llm-d-router/pkg/epp/framework/plugins/datalayer/attribute/metrics"
 	attrprefix "github.com/llm-d/llm-d-router/pkg/epp/framework/plugins/datalayer/attribute/prefix"
@@ -83,12 +87,15 @@ type Scorer struct {
 	typedName plugin.TypedName
 	cfg       Config
 	prefixKey plugin.DataKey
+	inFlight  *inFlight
 }
 
 var (
-	_ fwksched.Scorer       = &Scorer{}
-	_ plugin.ConsumerPlugin = &Scorer{}
-	_ fwksched.Filter       = &PausedFilter{}
+	_ fwksched.Scorer                      = &Scorer{}
+	_ plugin.ConsumerPlugin                = &Scorer{}
+	_ requestcontrol.PreRequest            = &Scorer{}
+	_ requestcontrol.ResponseBodyProcessor = &Scorer{}
+	_ fwksched.Filter                      = &PausedFilter{}
 )
 
 // NewScorer builds a scorer from a parsed config.
@@ -103,6 +110,7 @@ func NewScorer(name string, cfg Config) *Scorer {
 		typedName: plugin.TypedName{Type: ScorerType, Name: name},
 		cfg:       cfg,
 		prefixKey: attrprefix.PrefixCacheMatchInfoDataKey.WithNonEmptyProducerName(cfg.PrefixMatchInfoProducerName),
+		inFlight:  newInFlight(),
 	}
 }
 
@@ -128,21 +136,33 @@ func (s *Scorer) Consumes() plugin.DataDependencies {
 	return plugin.DataDependencies{Optional: map[plugin.DataKey]any{s.prefixKey: attrprefix.PrefixCacheMatchInfo{}}}
 }
 
-// Signals extracts the formula's inputs from an llm-d endpoint.
-func (s *Scorer) Signals(ep fwksched.Endpoint) rlscorer.Signals {
+// endpointKey names an endpoint the same way in Score and in the request
+// hooks (llm-d clones endpoints per request, so the value itself cannot be a key).
+func endpointKey(md *datalayer.EndpointMetadata) string {
+	if md == nil {
+		return ""
+	}
+	return md.Address + ":" + md.Port
+}
+
+// Signals extracts the formula's inputs from an llm-d endpoint for a prompt of
+// promptTokens tokens (0: unknown).
+func (s *Scorer) Signals(ep fwksched.Endpoint, promptTokens int) rlscorer.Signals {
 	sig := rlscorer.Signals{}
 	if md := ep.GetMetadata(); md != nil {
 		sig.Name = md.Name
 		if sig.Name == "" {
 			sig.Name = md.Address + ":" + md.Port
 		}
+		sig.InFlight = s.inFlight.get(endpointKey(md))
 	}
 	if m := ep.GetMetrics(); m != nil {
-		sig.InFlight, sig.Waiting, sig.KVUsage = m.RunningRequestsSize, m.WaitingQueueSize, m.KVCacheUsagePercent
+		sig.Waiting, sig.KVUsage = m.WaitingQueueSize, m.KVCacheUsagePercent
 	}
 	if raw, ok := ep.Get(s.prefixKey.String()); ok {
-		if info, ok := raw.(*attrprefix.PrefixCacheMatchInfo); ok && info.TotalBlocks() > 0 {
-			sig.PrefixMatch = float64(info.MatchBlocks()) / float64(info.TotalBlocks())
+		if info, ok := raw.(*attrprefix.PrefixCacheMatchInfo); ok {
+			sig.PrefixMatch = rlscorer.PrefixMatch(info.CachedBlockCount(), info.TotalBlocks(), promptTokens,
+				info.BlockSizeTokens())
 		}
 	}
 	if v, ok := attrmetrics.ReadScalarMetricValue(ep, s.cfg.PolicyVersionAttribute); ok {
@@ -169,11 +189,21 @@ func (s *Scorer) AffinityKey(req *fwksched.InferenceRequest) (string, bool) {
 	return "", false
 }
 
+// promptTokens is the request's prompt length in tokens as llm-d's token
+// producer saw it (0 when it did not run).
+func promptTokens(req *fwksched.InferenceRequest) int {
+	if req == nil || req.Body == nil || req.Body.TokenizedPrompt == nil {
+		return 0
+	}
+	return req.Body.TokenizedPrompt.TokenCount()
+}
+
 // Score implements fwksched.Scorer with the normalised formula total.
 func (s *Scorer) Score(_ context.Context, req *fwksched.InferenceRequest, eps []fwksched.Endpoint) map[fwksched.Endpoint]float64 {
 	sigs := make([]rlscorer.Signals, len(eps))
+	n := promptTokens(req)
 	for i, ep := range eps {
-		sigs[i] = s.Signals(ep)
+		sigs[i] = s.Signals(ep, n)
 	}
 	key, hasKey := s.AffinityKey(req)
 	res := rlscorer.Score(sigs, key, hasKey, s.cfg.Params, false)
@@ -182,6 +212,27 @@ func (s *Scorer) Score(_ context.Context, req *fwksched.InferenceRequest, eps []
 		out[ep] = res.Normalized[i]
 	}
 	return out
+}
+
+// PreRequest implements requestcontrol.PreRequest: the request goes to the
+// primary profile's first target and counts as in flight there.
+func (s *Scorer) PreRequest(_ context.Context, req *fwksched.InferenceRequest, res *fwksched.SchedulingResult) error {
+	if req == nil || res == nil {
+		return nil
+	}
+	if pr := res.ProfileResults[res.PrimaryProfileName]; pr != nil && len(pr.TargetEndpoints) > 0 {
+		s.inFlight.start(req.RequestID, endpointKey(pr.TargetEndpoints[0].GetMetadata()))
+	}
+	return nil
+}
+
+// ResponseBody implements requestcontrol.ResponseBodyProcessor: the end of
+// the response stream ends the request's count.
+func (s *Scorer) ResponseBody(_ context.Context, req *fwksched.InferenceRequest, resp *requestcontrol.Response,
+	_ *datalayer.EndpointMetadata) {
+	if req != nil && resp != nil && resp.EndOfStream {
+		s.inFlight.finish(req.RequestID)
+	}
 }
 
 // PausedFilter is the moerl-paused-filter plugin.

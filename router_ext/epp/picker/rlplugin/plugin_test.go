@@ -3,13 +3,17 @@ package rlplugin
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 
 	fwkdl "github.com/llm-d/llm-d-router/pkg/epp/framework/interface/datalayer"
 	"github.com/llm-d/llm-d-router/pkg/epp/framework/interface/plugin"
+	"github.com/llm-d/llm-d-router/pkg/epp/framework/interface/requestcontrol"
+	fwkrh "github.com/llm-d/llm-d-router/pkg/epp/framework/interface/requesthandling"
 	fwksched "github.com/llm-d/llm-d-router/pkg/epp/framework/interface/scheduling"
 	attrmetrics "github.com/llm-d/llm-d-router/pkg/epp/framework/plugins/datalayer/attribute/metrics"
 	attrprefix "github.com/llm-d/llm-d-router/pkg/epp/framework/plugins/datalayer/attribute/prefix"
@@ -30,12 +34,15 @@ type vcase struct {
 	} `json:"expected"`
 }
 
-// toEndpoint builds an llm-d endpoint carrying the signals the way the EPP's
-// data layer would: metrics from the core extractor, prefix info from the
-// approx prefix producer, RL values as custom scalar attributes.
-func toEndpoint(s rlscorer.Signals) fwksched.Endpoint {
+// toEndpoint builds the i-th llm-d endpoint carrying the signals the way the
+// EPP's data layer would: queue and KV usage from the core extractor, prefix
+// info from a prefix producer, RL values as custom scalar attributes. Its
+// in-flight count is not an attribute: the scorer counts the requests it
+// routed (route).
+func toEndpoint(i int, s rlscorer.Signals) fwksched.Endpoint {
 	m := fwkdl.NewMetrics()
-	m.RunningRequestsSize, m.WaitingQueueSize, m.KVCacheUsagePercent = s.InFlight, s.Waiting, s.KVUsage
+	m.WaitingQueueSize, m.KVCacheUsagePercent = s.Waiting, s.KVUsage
+	m.RunningRequestsSize = 1000 // the scraped gauge, which the scorer must not read
 	attrs := fwkdl.NewAttributes()
 	match := int(math.Round(math.Min(math.Max(s.PrefixMatch, 0), 1) * 10000))
 	attrs.Put(attrprefix.PrefixCacheMatchInfoDataKey.String(), attrprefix.NewPrefixCacheMatchInfo(match, 10000, 16))
@@ -45,7 +52,25 @@ func toEndpoint(s rlscorer.Signals) fwksched.Endpoint {
 		upd = 1
 	}
 	attrs.Put(DefaultUpdatingAttribute, attrmetrics.ScalarMetricValue(upd))
-	return fwksched.NewEndpoint(&fwkdl.EndpointMetadata{Name: s.Name, Address: "127.0.0.1", Port: "8000"}, m, attrs)
+	return fwksched.NewEndpoint(&fwkdl.EndpointMetadata{Name: s.Name, Address: "127.0.0.1", Port: strconv.Itoa(8000 + i)},
+		m, attrs)
+}
+
+// route passes request id through the scorer's PreRequest hook as llm-d's
+// director does once ep is picked.
+func route(t *testing.T, s *Scorer, id string, ep fwksched.Endpoint) {
+	t.Helper()
+	res := &fwksched.SchedulingResult{PrimaryProfileName: "default", ProfileResults: map[string]*fwksched.ProfileRunResult{
+		"default": {TargetEndpoints: []fwksched.Endpoint{ep}}}}
+	if err := s.PreRequest(context.Background(), &fwksched.InferenceRequest{RequestID: id}, res); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// answer passes a response chunk of request id through the scorer's response hook.
+func answer(s *Scorer, id string, end bool) {
+	s.ResponseBody(context.Background(), &fwksched.InferenceRequest{RequestID: id},
+		&requestcontrol.Response{RequestID: id, EndOfStream: end}, nil)
 }
 
 func TestVectorsThroughLLMDInterface(t *testing.T) {
@@ -70,7 +95,10 @@ func TestVectorsThroughLLMDInterface(t *testing.T) {
 			}
 			eps := make([]fwksched.Endpoint, len(c.Endpoints))
 			for i, sig := range c.Endpoints {
-				eps[i] = toEndpoint(sig)
+				eps[i] = toEndpoint(i, sig)
+				for j := range sig.InFlight {
+					route(t, s, fmt.Sprintf("%d-%d", i, j), eps[i])
+				}
 			}
 			scores := s.Score(context.Background(), req, eps)
 			kept := map[fwksched.Endpoint]bool{}
@@ -124,5 +152,62 @@ func TestRegisterAndStrictParams(t *testing.T) {
 	}
 	if k, ok := s.AffinityKey(&fwksched.InferenceRequest{Headers: map[string]string{"x-session-id": "s1"}}); !ok || k != "s1" {
 		t.Errorf("affinity key %q %v", k, ok)
+	}
+}
+
+func TestInFlightFollowsTheRequestHooks(t *testing.T) {
+	p, _ := ScorerFactory("rl", nil, nil)
+	s := p.(*Scorer)
+	a, b := toEndpoint(0, rlscorer.Signals{Name: "a"}), toEndpoint(1, rlscorer.Signals{Name: "b"})
+	inFlight := func() [2]int { return [2]int{s.Signals(a, 0).InFlight, s.Signals(b, 0).InFlight} }
+	route(t, s, "r1", a)
+	route(t, s, "r2", a)
+	route(t, s, "r3", b)
+	if got := inFlight(); got != [2]int{2, 1} {
+		t.Fatalf("after three requests routed: %v", got)
+	}
+	answer(s, "r1", false) // a chunk, not the end
+	if got := inFlight(); got != [2]int{2, 1} {
+		t.Fatalf("a chunk ended a request: %v", got)
+	}
+	answer(s, "r1", true)
+	answer(s, "r1", true)      // the end reported twice counts once
+	answer(s, "unknown", true) // never routed
+	route(t, s, "r3", a)       // re-scheduled: moves from b to a
+	if got := inFlight(); got != [2]int{2, 0} {
+		t.Fatalf("after r1 answered and r3 moved: %v", got)
+	}
+	answer(s, "r2", true)
+	answer(s, "r3", true)
+	if got := inFlight(); got != [2]int{0, 0} || len(s.inFlight.byReq) != 0 || len(s.inFlight.count) != 0 {
+		t.Fatalf("after every answer: %v, %d ids, %d endpoints kept", got, len(s.inFlight.byReq), len(s.inFlight.count))
+	}
+}
+
+func TestPrefixIsScoredOverTheCompleteBlocks(t *testing.T) {
+	p, _ := ScorerFactory("rl", nil, nil)
+	s := p.(*Scorer)
+	ep := func(cached, total int) fwksched.Endpoint {
+		attrs := fwkdl.NewAttributes()
+		attrs.Put(attrprefix.PrefixCacheMatchInfoDataKey.String(), attrprefix.NewPrefixCacheMatchInfo(cached, total, 32))
+		return fwksched.NewEndpoint(&fwkdl.EndpointMetadata{Name: "e", Address: "127.0.0.1", Port: "8000"},
+			fwkdl.NewMetrics(), attrs)
+	}
+	req := func(n int) *fwksched.InferenceRequest {
+		return &fwksched.InferenceRequest{RequestID: "r", Headers: map[string]string{}, Body: &fwkrh.InferenceRequestBody{
+			TokenizedPrompt: &fwkrh.TokenizedPrompt{PerPromptTokens: [][]uint32{make([]uint32, n)}}}}
+	}
+	// 100 tokens in blocks of 32: 3 complete blocks and a partial one, which no replica caches
+	for _, c := range []struct {
+		cached, total, tokens int
+		want                  float64
+	}{{3, 4, 100, 1}, {2, 4, 100, 2.0 / 3}, {3, 4, 0, 0.75}, {0, 1, 20, 0}} {
+		e := ep(c.cached, c.total)
+		if got := s.Signals(e, promptTokens(req(c.tokens))).PrefixMatch; math.Abs(got-c.want) > 1e-12 {
+			t.Errorf("%d of %d blocks cached, %d tokens: prefix %v, want %v", c.cached, c.total, c.tokens, got, c.want)
+		}
+	}
+	if promptTokens(nil) != 0 || promptTokens(&fwksched.InferenceRequest{}) != 0 {
+		t.Error("a request without a tokenized prompt has a length")
 	}
 }
