@@ -86,9 +86,12 @@ COMPONENTS: tuple[str, ...] = ("load", "queue", "kv", "prefix", "version", "affi
 class EndpointSignals:
     """What the router knows about one endpoint when a request arrives.
 
-    ``in_flight`` and ``waiting`` mirror ``vllm:num_requests_running`` and
-    ``vllm:num_requests_waiting`` (or the router's own counters, which are
-    fresher); ``kv_usage`` mirrors ``vllm:kv_cache_usage_perc`` (a fraction);
+    ``in_flight`` is the requests the router sent there and has not seen
+    answered, counted by the router itself (the embedded router's
+    ``Replica.in_flight``, the llm-d plugin's request hooks): vLLM's
+    ``vllm:num_requests_running``, scraped, lags and still counts a batch that
+    has just finished. ``waiting`` mirrors ``vllm:num_requests_waiting`` and
+    ``kv_usage`` ``vllm:kv_cache_usage_perc`` (a fraction);
     ``prefix_match`` is the fraction of this request's complete prompt blocks
     the endpoint is believed to hold (``prefix_match()`` of llm-d's prefix
     match info);

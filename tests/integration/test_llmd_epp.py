@@ -64,12 +64,14 @@ def _metric(base_url: str, name: str) -> float:
                ln.startswith(name + "{"))
 
 
-def _wait_metric(base_url: str, name: str, ok, timeout_s: float = 30.0) -> None:
+def _wait_metric(base_url: str, name: str, ok, timeout_s: float = 30.0, settle_s: float = 1.0) -> None:
+    """Until the replica's metric satisfies `ok`, then `settle_s` for the picker to scrape it (every 50 ms;
+    the margin is for a loaded host)."""
     deadline = time.time() + timeout_s
     while not ok(_metric(base_url, name)):
         assert time.time() < deadline, f"{base_url}: {name} never reached the expected value"
         time.sleep(0.05)
-    time.sleep(1.0)  # the picker scrapes every 50 ms: a state it must see, with a wide margin on a loaded host
+    time.sleep(settle_s)
 
 
 def _post(url: str, body: dict | None = None) -> None:
@@ -172,9 +174,10 @@ def test_a_replica_past_the_load_bound_loses_its_groups(stack):
         async def run():
             # 8 requests through the picker while r1 is paused: all on r0, in the picker's count until answered.
             # Lengths differ, so they end one by one; r0 stays past the bound while 3 or more run.
-            busy = [asyncio.create_task(_send(stack, [(f"busy-{i}", None)], max_tokens=300 + 40 * i)) for i in range(8)]
-            try:
-                await asyncio.to_thread(_wait_metric, r0.base_url, "vllm:num_requests_running", lambda v: v >= 8)
+            busy = [asyncio.create_task(_send(stack, [(f"busy-{i}", None)], max_tokens=600 + 40 * i)) for i in range(8)]
+            try:  # (the picker counts them from its PreRequest on: nothing to scrape)
+                await asyncio.to_thread(_wait_metric, r0.base_url, "vllm:num_requests_running", lambda v: v >= 8,
+                                        settle_s=0.0)
                 await asyncio.to_thread(_post, r1.base_url + "/resume")
                 await asyncio.to_thread(_wait_metric, r1.base_url, "moerl:weight_update_in_progress", lambda v: v == 0)
                 spilled = [await _send(stack, [(k, k)]) for k in _keys_homed("r0", 3, "bound")]

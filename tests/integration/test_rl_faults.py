@@ -123,16 +123,17 @@ def faults(tmp_path_factory) -> Faults:
     try:
         _wait_for_step(proc, run_dir, after)
         killed_replica = _listener(port + 1).pid
-        # vLLM's engine-worker message queues (its process group is its own)
-        vllm_segments = [p for p in group_segments(killed_replica) if os.path.basename(p).startswith("psm_")]
-        assert vllm_segments
-        _kill_tree(killed_replica)  # replica r1 and its engine/worker children
+        # what its process group (its own) maps in /dev/shm: the routing handoff, and vLLM's engine-worker
+        # message queues where a worker is a process of its own (tensor parallel)
+        mapped = group_segments(killed_replica)
+        assert mapped or server_segments(killed_replica), "nothing in /dev/shm to check"
+        _kill_tree(killed_replica)  # replica r1 and its engine-core child
         resumed_out = _finish(proc)
     finally:
         if proc.poll() is None:
             _kill_tree(proc.pid)
     replica_segments = server_segments(killed_replica)  # its routing records
-    replica_segments += [p for p in vllm_segments if os.path.exists(p)]
+    replica_segments += [p for p in mapped if os.path.exists(p)]
     return Faults(killed_rc, killed_out, orphans, trainer_rings, replica_segments, after, proc.returncode,
                   resumed_out, run_dir)
 

@@ -26,8 +26,8 @@ token, both recomputing the scores, took more than twice as long.)
 
 Each kernel's time per launch setting, the whole layer's against dense MLA, and the error against
 the fp32 torch path: `python -m benchmarks.dsa_layer` (`moe_block_h200.json: dsa_kernels`, `dsa`)
-and the GPU check's kernel cases. The key gradient's pass is slower than its FLOPs suggest: each
-element of its output is an fp32 atomic add (vectorised four wide, `atom.add.v4.f32`).
+and the GPU check's kernel cases. Pass 2's fp32 atomics are vectorised four wide
+(`atom.add.v4.f32`).
 
 Inputs: bf16 (or fp32) `q [B, L, H, C]`, `kv [B, S, C]`, int `idx [B, L, K]` with entries
 in `[0, S)`; L == S, or under context parallel a rank's L queries at global `positions` against
