@@ -25,7 +25,8 @@ load         ``1 - in_flight / max(in_flight over A)`` (1 when that max is 0)
 queue        ``1 - waiting / max(waiting over A)`` (1 when that max is 0)
 kv           ``1 - kv_usage`` (clamped to [0, 1])
 prefix       ``prefix_match``: fraction of the prompt's complete blocks cached
-             (clamped; ``prefix_match()`` below)
+             (clamped; ``prefix_match()`` below); 0 at an endpoint whose load is
+             at or past the load bound (below)
 version      ``1 - min(lag, version_lag_window) / version_lag_window`` where
              ``lag = current - policy_version`` and ``current`` is the highest
              policy version over all endpoints: a replica still on old weights
@@ -43,7 +44,12 @@ group (or all turns of one session) land on one endpoint, reusing its prefix
 cache, as long as that endpoint is not more than ``load_factor`` times the
 average; beyond that the key spills to the next endpoint on the ring, which is
 again the same for every request of the key. Hashes are the first 8 bytes
-(big endian) of SHA-256, available bit-identically in Go and Python.
+(big endian) of SHA-256, available bit-identically in Go and Python. The same
+bound holds the prefix term: past it, an endpoint's cached blocks no longer
+pull requests (with affinity alone a conversation spilled off its home came
+back to it for its cache, and one replica took 1.35x the mean of the
+requests through the picker, where the router that has no prefix signal took
+1.16x; `benchmarks.llmd_e2e`).
 
 ``total = w_load*load + w_queue*queue + w_kv*kv + w_prefix*prefix
 + w_version*version + w_affinity*affinity`` (summed in that order so Go and
@@ -74,6 +80,7 @@ __all__ = [
     "ScorerParams",
     "hash64",
     "home_endpoint",
+    "load_capacity",
     "prefix_match",
     "score",
 ]
@@ -123,12 +130,12 @@ class ScorerParams:
     """Weights and bounds; the Go plugin takes the same names in camelCase.
 
     Defaults come from ``benchmarks/router.py`` (GRPO groups of 16, 8..64
-    endpoints): affinity (2) weighs less than a full prefix hit (3), so a
-    group that spilled past the bound does not abandon the endpoint already
-    holding its prompt for a cold ring successor; ``load_factor`` 1.5 lets a
-    16-request burst land on one replica. That kept the hit rate >= 0.96 of
-    the oracle with max/mean requests served <= 1.2; 1.25 split groups and
-    lost about 10% of the oracle's hits.
+    endpoints): affinity (2) weighs less than a full prefix hit (3), so below
+    the load bound a replica already holding a group's prompt wins over the
+    group's cold ring home; ``load_factor`` 1.5 lets a 16-request burst land
+    on one replica. That kept the hit rate >= 0.96 of the oracle with
+    max/mean requests served <= 1.2; 1.25 split groups and lost about 10% of
+    the oracle's hits.
     """
 
     w_load: float = 1.0
@@ -244,6 +251,11 @@ def prefix_match(cached_blocks: int, total_blocks: int, prompt_tokens: int, bloc
     return min(max(cached_blocks, 0), full) / full
 
 
+def load_capacity(loads: Sequence[int], load_factor: float) -> int:
+    """The bound on one endpoint's load: ``ceil(load_factor * (sum(loads) + 1) / n)``."""
+    return math.ceil(load_factor * (sum(loads) + 1) / len(loads))
+
+
 def home_endpoint(
     key: str, names: Sequence[str], loads: Sequence[int], load_factor: float, virtual_nodes: int
 ) -> int:
@@ -254,10 +266,9 @@ def home_endpoint(
     request being placed, as in the paper, which guarantees that some
     endpoint is below capacity whenever ``load_factor >= 1``.
     """
-    n = len(names)
-    if n == 0:
+    if not names:
         raise ValueError("no endpoints")
-    cap = math.ceil(load_factor * (sum(loads) + 1) / n)
+    cap = load_capacity(loads, load_factor)
     hashes, owners = _ring(tuple(names), virtual_nodes)
     m = len(hashes)
     start = bisect.bisect_left(hashes, hash64(key))
@@ -289,10 +300,11 @@ def score(
     max_wait = max(endpoints[i].waiting for i in active)
     window = params.version_lag_window
 
+    loads = [endpoints[i].in_flight + endpoints[i].waiting for i in active]
+    cap = load_capacity(loads, params.load_factor)
     home = None
     if request.affinity_key is not None:
         names = [endpoints[i].name for i in active]
-        loads = [endpoints[i].in_flight + endpoints[i].waiting for i in active]
         home = active[
             home_endpoint(request.affinity_key, names, loads, params.load_factor, params.virtual_nodes)
         ]
@@ -307,14 +319,14 @@ def score(
     )
     best = -1
     best_total = -1.0
-    for i in active:
+    for j, i in enumerate(active):
         e = endpoints[i]
         s_load = 1.0 - e.in_flight / max_if if max_if > 0 else 1.0
         s_queue = 1.0 - e.waiting / max_wait if max_wait > 0 else 1.0
         kv = e.kv_usage
         s_kv = 1.0 - (0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv)
         pm = e.prefix_match
-        s_prefix = 0.0 if pm < 0.0 else 1.0 if pm > 1.0 else pm
+        s_prefix = 0.0 if pm < 0.0 or loads[j] >= cap else 1.0 if pm > 1.0 else pm
         lag = current - e.policy_version
         s_version = 1.0 - (lag if lag < window else window) / window
         s_aff = 1.0 if i == home else 0.0

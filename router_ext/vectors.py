@@ -133,6 +133,13 @@ def _hand_cases() -> list[tuple[str, ScorerParams, RequestInfo, list[EndpointSig
     ]
     assert spill_to != home
     cases.append(("group_spills_when_home_over_bound", p, RequestInfo(key), over, spill_to))
+    # ... and its cache does not pull it back: the home holds the whole prompt, the spill target nothing
+    cached = [_ep(n, in_flight=12 if n == home else 2, policy_version=5, prefix_match=1.0 if n == home else 0.0)
+              for n in names]
+    cases.append(("prefix_does_not_pull_past_the_bound", p, RequestInfo(key), cached, spill_to))
+    # below the bound a fully cached endpoint wins over an idle one (no key: prefix against load)
+    cases.append(("prefix_pulls_below_the_bound", p, RequestInfo(),
+                  [_ep("a", in_flight=2, prefix_match=1.0), _ep("b", in_flight=0)], "a"))
     return cases
 
 

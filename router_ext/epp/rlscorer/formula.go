@@ -155,18 +155,22 @@ func getRing(names []string, virtualNodes int) *ring {
 	return r
 }
 
-// HomeEndpoint returns key's home index among names: consistent hashing with
-// bounded loads, capacity ceil(loadFactor*(sum(loads)+1)/n).
-func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, virtualNodes int) int {
-	n := len(names)
-	if n == 0 {
-		return -1
-	}
+// LoadCapacity is the bound on one endpoint's load: ceil(loadFactor*(sum(loads)+1)/n).
+func LoadCapacity(loads []int, loadFactor float64) float64 {
 	total := 0
 	for _, l := range loads {
 		total += l
 	}
-	capacity := math.Ceil(loadFactor * float64(total+1) / float64(n))
+	return math.Ceil(loadFactor * float64(total+1) / float64(len(loads)))
+}
+
+// HomeEndpoint returns key's home index among names: consistent hashing with
+// bounded loads (LoadCapacity).
+func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, virtualNodes int) int {
+	if len(names) == 0 {
+		return -1
+	}
+	capacity := LoadCapacity(loads, loadFactor)
 	r := getRing(names, virtualNodes)
 	m := len(r.hashes)
 	h := Hash64(key)
@@ -236,19 +240,22 @@ func Score(eps []Signals, affinityKey string, hasKey bool, p Params, withCompone
 		maxIF = max(maxIF, eps[i].InFlight)
 		maxWait = max(maxWait, eps[i].Waiting)
 	}
+	loads := make([]int, len(active))
+	for j, i := range active {
+		loads[j] = eps[i].InFlight + eps[i].Waiting
+	}
+	capacity := LoadCapacity(loads, p.LoadFactor)
 	if hasKey {
 		names := make([]string, len(active))
-		loads := make([]int, len(active))
 		for j, i := range active {
 			names[j] = eps[i].Name
-			loads[j] = eps[i].InFlight + eps[i].Waiting
 		}
 		res.Home = active[HomeEndpoint(affinityKey, names, loads, p.LoadFactor, p.VirtualNodes)]
 	}
 	w := p.Weights
 	window := p.VersionLagWindow
 	bestTotal := -1.0
-	for _, i := range active {
+	for j, i := range active {
 		e := eps[i]
 		sLoad, sQueue := 1.0, 1.0
 		if maxIF > 0 {
@@ -258,7 +265,10 @@ func Score(eps []Signals, affinityKey string, hasKey bool, p Params, withCompone
 			sQueue = 1.0 - float64(e.Waiting)/float64(maxWait)
 		}
 		sKV := 1.0 - clamp01(e.KVUsage)
-		sPrefix := clamp01(e.PrefixMatch)
+		sPrefix := 0.0 // past the load bound a replica's cache no longer pulls (scorer.py)
+		if float64(loads[j]) < capacity {
+			sPrefix = clamp01(e.PrefixMatch)
+		}
 		lag := min(current-e.PolicyVersion, window)
 		sVersion := 1.0 - float64(lag)/float64(window)
 		sAff := 0.0
