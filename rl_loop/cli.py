@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from .chat_templates import TEMPLATES
@@ -67,6 +68,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_rl(args: argparse.Namespace) -> int:
     _activate_trainer_patches()
     import asyncio
@@ -75,6 +80,10 @@ def cmd_rl(args: argparse.Namespace) -> int:
     from rl_loop.orchestrator import Orchestrator, RunStopped
 
     config = RLConfig.from_toml(args.config, parse_overrides(args.set or []))
+    # The replicas, the trainer and the Mooncake master run in sessions of their own, so a signal to
+    # this process group does not reach them: SIGTERM (a scheduler, `kill`) ends the run through the
+    # orchestrator's clean-up, which stops them, instead of leaving them running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         summary = asyncio.run(Orchestrator(config, resume=args.resume).run())
     except RunStopped as e:

@@ -47,9 +47,7 @@ again the same for every request of the key. Hashes are the first 8 bytes
 (big endian) of SHA-256, available bit-identically in Go and Python. The same
 bound holds the prefix term: past it, an endpoint's cached blocks no longer
 pull requests (with affinity alone a conversation spilled off its home came
-back to it for its cache, and one replica took 1.35x the mean of the
-requests through the picker, where the router that has no prefix signal took
-1.16x; `benchmarks.llmd_e2e`).
+back to it for its cache, so the bound held only the affinity term).
 
 ``total = w_load*load + w_queue*queue + w_kv*kv + w_prefix*prefix
 + w_version*version + w_affinity*affinity`` (summed in that order so Go and
@@ -135,7 +133,9 @@ class ScorerParams:
     group's cold ring home; ``load_factor`` 1.5 lets a 16-request burst land
     on one replica. That kept the hit rate >= 0.96 of the oracle with
     max/mean requests served <= 1.2; 1.25 split groups and lost about 10% of
-    the oracle's hits.
+    the oracle's hits. ``virtual_nodes`` 128: few replicas need many points
+    each for even arcs (two share the ring within 1% of half; with 16 points
+    each, most of the 16 groups of ``benchmarks.llmd_e2e`` had the same home).
     """
 
     w_load: float = 1.0
@@ -146,7 +146,7 @@ class ScorerParams:
     w_affinity: float = 2.0
     load_factor: float = 1.5
     version_lag_window: int = 4
-    virtual_nodes: int = 16
+    virtual_nodes: int = 128
 
     def __post_init__(self) -> None:
         for name in ("w_load", "w_queue", "w_kv", "w_prefix", "w_version", "w_affinity"):
@@ -257,24 +257,33 @@ def load_capacity(loads: Sequence[int], load_factor: float) -> int:
 
 
 def home_endpoint(
-    key: str, names: Sequence[str], loads: Sequence[int], load_factor: float, virtual_nodes: int
+    key: str, names: Sequence[str], loads: Sequence[int], load_factor: float, virtual_nodes: int,
+    active: Sequence[int] | None = None,
 ) -> int:
     """Index of ``key``'s home among ``names`` (consistent hashing, bounded loads).
 
-    ``loads[i]`` is endpoint i's current load. The capacity is
-    ``ceil(load_factor * (sum(loads) + 1) / n)``: the ``+ 1`` counts the
-    request being placed, as in the paper, which guarantees that some
-    endpoint is below capacity whenever ``load_factor >= 1``.
+    ``loads[i]`` is endpoint i's current load; ``active`` the indices that may
+    take the key (default: all). The capacity is
+    ``ceil(load_factor * (sum of the active loads + 1) / len(active))``: the
+    ``+ 1`` counts the request being placed, as in the paper, which guarantees
+    that some endpoint is below capacity whenever ``load_factor >= 1``. The
+    ring holds every name and the walk passes the inactive ones, which gives
+    each key the home a ring of the active names alone would, while a pause
+    or a resume leaves the cached ring as it is.
     """
     if not names:
         raise ValueError("no endpoints")
-    cap = load_capacity(loads, load_factor)
+    allowed = range(len(names)) if active is None else active
+    if not allowed:
+        raise ValueError("no active endpoints")
+    cap = load_capacity([loads[i] for i in allowed], load_factor)
+    allowed = set(allowed)
     hashes, owners = _ring(tuple(names), virtual_nodes)
     m = len(hashes)
     start = bisect.bisect_left(hashes, hash64(key))
     for step in range(m):
         i = owners[(start + step) % m]
-        if loads[i] < cap:
+        if i in allowed and loads[i] < cap:
             return i
     raise AssertionError("unreachable: some endpoint is always below capacity")  # pragma: no cover
 
@@ -300,14 +309,14 @@ def score(
     max_wait = max(endpoints[i].waiting for i in active)
     window = params.version_lag_window
 
-    loads = [endpoints[i].in_flight + endpoints[i].waiting for i in active]
-    cap = load_capacity(loads, params.load_factor)
+    loads = [e.in_flight + e.waiting for e in endpoints]
+    cap = load_capacity([loads[i] for i in active], params.load_factor)
     home = None
     if request.affinity_key is not None:
-        names = [endpoints[i].name for i in active]
-        home = active[
-            home_endpoint(request.affinity_key, names, loads, params.load_factor, params.virtual_nodes)
-        ]
+        names = [e.name for e in endpoints]
+        home = home_endpoint(
+            request.affinity_key, names, loads, params.load_factor, params.virtual_nodes, active
+        )
 
     wl, wq, wk, wp, wv, wa = (
         params.w_load,
@@ -319,14 +328,14 @@ def score(
     )
     best = -1
     best_total = -1.0
-    for j, i in enumerate(active):
+    for i in active:
         e = endpoints[i]
         s_load = 1.0 - e.in_flight / max_if if max_if > 0 else 1.0
         s_queue = 1.0 - e.waiting / max_wait if max_wait > 0 else 1.0
         kv = e.kv_usage
         s_kv = 1.0 - (0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv)
         pm = e.prefix_match
-        s_prefix = 0.0 if pm < 0.0 or loads[j] >= cap else 1.0 if pm > 1.0 else pm
+        s_prefix = 0.0 if pm < 0.0 or loads[i] >= cap else 1.0 if pm > 1.0 else pm
         lag = current - e.policy_version
         s_version = 1.0 - (lag if lag < window else window) / window
         s_aff = 1.0 if i == home else 0.0

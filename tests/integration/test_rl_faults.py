@@ -56,6 +56,16 @@ def _kill_tree(pid: int) -> None:
     os.killpg(os.getpgid(pid), signal.SIGKILL)
 
 
+def _stop(proc) -> None:
+    """End a `moerl rl` a failed check left running: SIGTERM, which stops its replicas and trainer
+    (their own sessions), then SIGKILL if it has not ended within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+
+
 def _listener(port: int) -> psutil.Process:
     for conn in psutil.net_connections(kind="tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
@@ -75,7 +85,7 @@ def _run_to_end(run_dir: Path, *extra: str) -> tuple[int, str]:
         out = _finish(proc)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            _stop(proc)
     return proc.returncode, out
 
 
@@ -111,7 +121,7 @@ def faults(tmp_path_factory) -> Faults:
         killed_out = _finish(proc)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            _stop(proc)
     orphans = [p for p in trainer if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     trainer_rings = [seg.name for p in trainer for seg in SHM_DIR.glob(f"{PREFIX}{p.pid}-*")]
     killed_rc = proc.returncode
@@ -131,7 +141,7 @@ def faults(tmp_path_factory) -> Faults:
         resumed_out = _finish(proc)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            _stop(proc)
     replica_segments = server_segments(killed_replica)  # its routing records
     replica_segments += [p for p in mapped if os.path.exists(p)]
     return Faults(killed_rc, killed_out, orphans, trainer_rings, replica_segments, after, proc.returncode,

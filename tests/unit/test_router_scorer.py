@@ -108,7 +108,7 @@ def test_group_sticks_to_one_endpoint_while_within_bound():
         chosen = names[res.pick]
         assert res.pick == res.home
         assert in_flight[chosen] < cap
-        ring_home = names[home_endpoint(f"group-{g}", names, [0] * 16, params.load_factor, 16)]
+        ring_home = names[home_endpoint(f"group-{g}", names, [0] * 16, params.load_factor, params.virtual_nodes)]
         if in_flight[ring_home] < cap:
             assert chosen == ring_home
         if g in last and last[g] != chosen:
@@ -122,15 +122,24 @@ def test_group_sticks_to_one_endpoint_while_within_bound():
 
 def test_few_groups_stick_completely():
     names = [f"vllm-{i}" for i in range(8)]
-    # busy endpoints (40 in flight each): 16 more on one stays under the bound
+    p = ScorerParams()
+    # three sessions with homes of their own on busy endpoints (40 in flight each): 16 more on one
+    # stays under the bound
+    homes: dict[int, str] = {}
+    for k in range(100):
+        home = home_endpoint(f"session-{k}", names, [0] * 8, p.load_factor, p.virtual_nodes)
+        if home not in homes.values():
+            homes[k] = home
+        if len(homes) == 3:
+            break
     in_flight = Counter({n: 40 for n in names})
     picks = {}
-    for g in [g for _ in range(16) for g in range(3)]:
+    for g in [g for _ in range(16) for g in homes]:
         eps = [EndpointSignals(n, in_flight=in_flight[n]) for n in names]
-        res = score(eps, RequestInfo(f"session-{g}"))
+        res = score(eps, RequestInfo(f"session-{g}"), p)
         picks.setdefault(g, set()).add(res.pick)
         in_flight[names[res.pick]] += 1
-    assert all(len(p) == 1 for p in picks.values()), picks
+    assert picks == {g: {h} for g, h in homes.items()}, picks
 
 
 def test_bounded_load_home_respects_capacity_and_is_stable():
@@ -167,3 +176,26 @@ def test_plugin_parameters_round_trip_and_reject_unknown():
         ScorerParams.from_plugin_parameters({"weights": {"latency": 1.0}})
     with pytest.raises(ValueError):
         ScorerParams(load_factor=0.9)
+
+
+def test_home_among_active_endpoints_is_the_home_of_a_ring_without_the_others():
+    """`active` walks the ring of every name past the others: each key lands where a ring built
+    from the active names alone puts it, at any loads (so a pause rebuilds no ring)."""
+    rng = random.Random(11)
+    names = [f"vllm-{i}" for i in range(12)]
+    for _ in range(300):
+        active = sorted(rng.sample(range(12), rng.randint(1, 12)))
+        loads = [rng.randint(0, 20) for _ in names]
+        key = f"g{rng.randint(0, 10**9)}"
+        alone = home_endpoint(key, [names[i] for i in active], [loads[i] for i in active], 1.5, 32)
+        assert home_endpoint(key, names, loads, 1.5, 32, active) == active[alone]
+
+
+def test_two_endpoints_share_the_default_ring_within_a_percent_of_half():
+    from router_ext.scorer import _ring
+
+    hashes, owners = _ring(("r0", "r1"), ScorerParams().virtual_nodes)
+    share = [0.0, 0.0]
+    for j, h in enumerate(hashes):  # each point owns the arc that ends at it
+        share[owners[j]] += (h - (hashes[j - 1] if j else hashes[-1] - 2**64)) / 2**64
+    assert abs(share[0] - 0.5) < 0.01, share

@@ -57,7 +57,7 @@ func DefaultParams() Params {
 		Weights:          Weights{Load: 1, Queue: 2, KV: 1, Prefix: 3, Version: 2, Affinity: 2},
 		LoadFactor:       1.5,
 		VersionLagWindow: 4,
-		VirtualNodes:     16,
+		VirtualNodes:     128,
 	}
 }
 
@@ -165,19 +165,36 @@ func LoadCapacity(loads []int, loadFactor float64) float64 {
 }
 
 // HomeEndpoint returns key's home index among names: consistent hashing with
-// bounded loads (LoadCapacity).
-func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, virtualNodes int) int {
+// bounded loads (LoadCapacity over the active endpoints' loads). active lists
+// the indices that may take the key (nil: all); the ring holds every name and
+// the walk passes the others (home_endpoint in scorer.py says why).
+func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, virtualNodes int, active []int) int {
 	if len(names) == 0 {
 		return -1
 	}
-	capacity := LoadCapacity(loads, loadFactor)
+	allowed := make([]bool, len(names))
+	activeLoads := make([]int, 0, len(names))
+	for i := range names {
+		if active == nil {
+			allowed[i] = true
+			activeLoads = append(activeLoads, loads[i])
+		}
+	}
+	for _, i := range active {
+		allowed[i] = true
+		activeLoads = append(activeLoads, loads[i])
+	}
+	if len(activeLoads) == 0 {
+		return -1
+	}
+	capacity := LoadCapacity(activeLoads, loadFactor)
 	r := getRing(names, virtualNodes)
 	m := len(r.hashes)
 	h := Hash64(key)
 	start := sort.Search(m, func(i int) bool { return r.hashes[i] >= h })
 	for step := 0; step < m; step++ {
 		i := r.owners[(start+step)%m]
-		if float64(loads[i]) < capacity {
+		if allowed[i] && float64(loads[i]) < capacity {
 			return i
 		}
 	}
@@ -240,22 +257,23 @@ func Score(eps []Signals, affinityKey string, hasKey bool, p Params, withCompone
 		maxIF = max(maxIF, eps[i].InFlight)
 		maxWait = max(maxWait, eps[i].Waiting)
 	}
-	loads := make([]int, len(active))
-	for j, i := range active {
-		loads[j] = eps[i].InFlight + eps[i].Waiting
+	loads := make([]int, n)
+	names := make([]string, n)
+	activeLoads := make([]int, 0, len(active))
+	for i, e := range eps {
+		loads[i], names[i] = e.InFlight+e.Waiting, e.Name
 	}
-	capacity := LoadCapacity(loads, p.LoadFactor)
+	for _, i := range active {
+		activeLoads = append(activeLoads, loads[i])
+	}
+	capacity := LoadCapacity(activeLoads, p.LoadFactor)
 	if hasKey {
-		names := make([]string, len(active))
-		for j, i := range active {
-			names[j] = eps[i].Name
-		}
-		res.Home = active[HomeEndpoint(affinityKey, names, loads, p.LoadFactor, p.VirtualNodes)]
+		res.Home = HomeEndpoint(affinityKey, names, loads, p.LoadFactor, p.VirtualNodes, active)
 	}
 	w := p.Weights
 	window := p.VersionLagWindow
 	bestTotal := -1.0
-	for j, i := range active {
+	for _, i := range active {
 		e := eps[i]
 		sLoad, sQueue := 1.0, 1.0
 		if maxIF > 0 {
@@ -266,7 +284,7 @@ func Score(eps []Signals, affinityKey string, hasKey bool, p Params, withCompone
 		}
 		sKV := 1.0 - clamp01(e.KVUsage)
 		sPrefix := 0.0 // past the load bound a replica's cache no longer pulls (scorer.py)
-		if float64(loads[j]) < capacity {
+		if float64(loads[i]) < capacity {
 			sPrefix = clamp01(e.PrefixMatch)
 		}
 		lag := min(current-e.PolicyVersion, window)
