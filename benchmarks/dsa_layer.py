@@ -80,8 +80,7 @@ def kernel_sweep(tokens: int, arch, dev, clock: Clock) -> list[dict]:
     idx[:topk] = torch.arange(topk, device=dev)
     idx = idx[None]
     scale = latent**-0.5
-    n_sel = topk * tokens - topk * (topk - 1) // 2
-    fwd_flop = 2 * heads * (latent + values) * n_sel
+    fwd_flop = layer_flops(arch, tokens, heads)["attention"] / 3  # the formula counts fwd+bwd as 3 x fwd
     out, lse = smt.sparse_mla_fwd(q, kv, idx, scale, values)
     dout = torch.randn(out.shape, device=dev, dtype=torch.bfloat16, generator=g)
     first_bwd, first_dkv = smt.BWD_CONFIGS[0], smt.DKV_CONFIGS[0]

@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_loop.replicas import start_replica, stop_replica, wait_healthy
 from rl_loop.tiny_models import make_tiny_checkpoint
 
-from .servers import cpu_seconds, free_port, process_tree
+from .servers import cpu_seconds, process_tree, served
 
 RESULTS = Path(__file__).parent / "results" / "replica_startup.json"
 WAYS = {"in_process": [], "spawned": ["--distributed-executor-backend", "mp"]}
@@ -32,18 +31,14 @@ WAYS = {"in_process": [], "spawned": ["--distributed-executor-backend", "mp"]}
 
 def start_once(ckpt: Path, log_dir: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
-    replica = start_replica("startup", ckpt, free_port(), log_dir, dtype="float32", max_model_len=512, max_num_seqs=8,
-                            kv_cache_gib=0.25, extra=extra)
-    try:
-        wait_healthy([replica], timeout_s=600)
+    with served("startup", ckpt, log_dir, dtype="float32", max_model_len=512, max_num_seqs=8, kv_cache_gib=0.25,
+                extra=extra) as replica:
         wall = time.perf_counter() - t0
         procs = process_tree(replica.process.pid)
         started = cpu_seconds(procs)
         time.sleep(5.0)
         return {"wall_s": round(wall, 2), "cpu_s": round(started, 2), "processes": len(procs),
                 "idle_cpu_s_per_5s": round(cpu_seconds(procs) - started, 3)}
-    finally:
-        stop_replica(replica)
 
 
 def main(argv=None) -> int:

@@ -172,20 +172,19 @@ func HomeEndpoint(key string, names []string, loads []int, loadFactor float64, v
 	if len(names) == 0 {
 		return -1
 	}
-	allowed := make([]bool, len(names))
-	activeLoads := make([]int, 0, len(names))
-	for i := range names {
-		if active == nil {
-			allowed[i] = true
-			activeLoads = append(activeLoads, loads[i])
+	if active == nil {
+		active = make([]int, len(names))
+		for i := range active {
+			active[i] = i
 		}
 	}
-	for _, i := range active {
-		allowed[i] = true
-		activeLoads = append(activeLoads, loads[i])
-	}
-	if len(activeLoads) == 0 {
+	if len(active) == 0 {
 		return -1
+	}
+	allowed := make([]bool, len(names))
+	activeLoads := make([]int, len(active))
+	for j, i := range active {
+		allowed[i], activeLoads[j] = true, loads[i]
 	}
 	capacity := LoadCapacity(activeLoads, loadFactor)
 	r := getRing(names, virtualNodes)

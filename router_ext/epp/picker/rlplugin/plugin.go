@@ -150,11 +150,12 @@ func endpointKey(md *datalayer.EndpointMetadata) string {
 func (s *Scorer) Signals(ep fwksched.Endpoint, promptTokens int) rlscorer.Signals {
 	sig := rlscorer.Signals{}
 	if md := ep.GetMetadata(); md != nil {
+		key := endpointKey(md)
 		sig.Name = md.Name
 		if sig.Name == "" {
-			sig.Name = md.Address + ":" + md.Port
+			sig.Name = key
 		}
-		sig.InFlight = s.inFlight.get(endpointKey(md))
+		sig.InFlight = s.inFlight.get(key)
 	}
 	if m := ep.GetMetrics(); m != nil {
 		sig.Waiting, sig.KVUsage = m.WaitingQueueSize, m.KVCacheUsagePercent
