@@ -44,11 +44,10 @@ import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
-import aiohttp
 
 from rl_loop.llmd import LlmdRouter
 from rl_loop.replicas import post_json, start_replica, stop_replica, wait_healthy
-from rl_loop.rollouts import RolloutContext
+from rl_loop.rollouts import RolloutContext, replica_session
 from rl_loop.router import PickRouter, embedded_pick
 from rl_loop.tasks import get_task
 from router_ext.config import EppPorts, KvEvents, epp_command, parse_endpoints, vllm_kv_events_config, write
@@ -110,7 +109,7 @@ def round_robin() -> PickRouter:
 
 
 async def play(router, replicas, model, tok, task, prompts, args) -> float:
-    async with aiohttp.ClientSession() as session:
+    async with replica_session() as session:
         ctx = RolloutContext(session, replicas, router, model, tok, args.turn_tokens, 1.0, 600.0)
         t0 = time.perf_counter()
         await asyncio.gather(*(task.run_group(ctx, p, args.samples, f"group-{i}", 1000 + i)
@@ -121,7 +120,7 @@ async def play(router, replicas, model, tok, task, prompts, args) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--samples", type=int, default=4, help="conversations per group")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=48, help="tokens the model samples per turn")

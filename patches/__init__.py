@@ -85,7 +85,7 @@ PATCH_MODULES = (
     "vllm_ext.hooks",
     "vllm_ext.serving",
     "vllm_ext.weights.api",
-    "vllm_ext.weights.swap",
+    "vllm_ext.routes",
 )
 
 

@@ -105,6 +105,13 @@ class InferenceConfig:
     kv_pool_rpc_port: Port = knob(18551, "mooncake_master RPC port")
     kv_pool_metrics_port: Port = knob(18552, "mooncake_master metrics port")
     kv_pool_segment_gib: StrictFloat = knob(0.25, "memory each managed replica lends the KV pool (CPU RAM)", gt=0)
+    prefill_replicas: StrictInt = knob(
+        0, "prefill/decode disaggregation: managed replicas (p0, p1, ...) that only compute prompts and hand their "
+           "KV and routing rows to the decode replicas through the Mooncake pool (needs kv_pool = 'mooncake'; "
+           "rl_loop/disagg.py); 0: every replica does both", ge=0)
+    decode_replicas: StrictInt = knob(
+        0, "with prefill_replicas: managed replicas (d0, d1, ...) that load the pooled prompt and sample; "
+           "inference.replicas becomes prefill_replicas + decode_replicas", ge=0)
     weight_sync_timeout_s: StrictFloat = knob(
         300.0, "sharded lanes: a replica whose update has not answered by then is taken out of rotation (a hung "
                "worker: vLLM's /health stays OK), and the trainer's senders drop its lanes", gt=0)
@@ -119,6 +126,22 @@ class InferenceConfig:
         if self.tensor_parallel != 1 and self.replicas == 0:
             raise ValueError(f"inference.tensor_parallel = {self.tensor_parallel} sizes managed replicas; with "
                              "inference.endpoints their own servers set it: leave it at 1")
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_decode(self) -> InferenceConfig:
+        if not (self.prefill_replicas or self.decode_replicas):
+            return self
+        if not (self.prefill_replicas and self.decode_replicas):
+            raise ValueError(f"inference.prefill_replicas = {self.prefill_replicas} and decode_replicas = "
+                             f"{self.decode_replicas}: disaggregation needs at least one of each (or 0 and 0)")
+        if self.kv_pool != "mooncake":
+            raise ValueError("inference.prefill_replicas hand the prompt's KV to the decode replicas through the "
+                             "Mooncake pool: set inference.kv_pool = 'mooncake'")
+        if self.router != "embedded":
+            raise ValueError("inference.prefill_replicas: the embedded router picks prefill and decode replicas; "
+                             "with router = 'llmd' run llm-d's own prefill/decode profiles instead (docs/kv-pool.md)")
+        self.replicas = self.prefill_replicas + self.decode_replicas
         return self
 
     @model_validator(mode="after")
@@ -139,7 +162,8 @@ class RolloutConfig:
     )
     task_args: dict[StrictStr, Any] = knob(
         dict,
-        "keyword arguments of the task: the built-in's options (charclass_turns: turns) or the verifiers "
+        "keyword arguments of the task: the built-in's options (charclass, charclass_turns: preamble; "
+        "charclass_turns: turns) or the verifiers "
         "environment's load_environment arguments; e.g. {turns = 2}",
     )
     chat_format: Literal["auto", "plain", "template"] = knob(

@@ -25,6 +25,7 @@ from .replicas import stop_process_group
 __all__ = ["MooncakePool", "MooncakeMaster", "connector_args", "LEASE_TTL_MS"]
 
 CONNECTOR = "MoerlMooncakeStoreConnector"
+WORKER_EXTENSION = "vllm_ext.kv_pool.KvPoolWorkerExtension"
 # An object read stays leased (not evicted) this long. Mooncake's default is
 # seconds; prime-rl found blocks expiring before decode reused them and raised it
 # to an hour.
@@ -52,7 +53,8 @@ def connector_args(pool: MooncakePool, config_path: Path, port: int) -> tuple[li
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_ext.kv_pool", "kv_role": "kv_both",
           "kv_connector_extra_config": {"lookup_rpc_port": int(port)}}
     env = {"MOONCAKE_CONFIG_PATH": str(config_path), "VLLM_HOST_IP": pool.host}
-    return ["--kv-transfer-config", json.dumps(kv)], env
+    # the worker side of POST /moerl/kv_pool/flush (prefill/decode hand-over: rl_loop.disagg)
+    return ["--kv-transfer-config", json.dumps(kv), "--worker-extension-cls", WORKER_EXTENSION], env
 
 
 class MooncakeMaster:

@@ -42,6 +42,7 @@ from .batch import Batch, ModelShape, Sample, pack, reason_kind
 from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
 from .kv_pool import MooncakeMaster, MooncakePool, connector_args
+from .disagg import disagg_metrics, replica_roles
 from .replicas import Replica, checkpoint_context, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .llmd import LlmdRouter
@@ -176,15 +177,16 @@ class Orchestrator:
             return
         kv_args = self.start_kv_pool()
         self.replicas = []
-        for i in range(c.replicas):
+        for i, (name, role) in enumerate(replica_roles(c)):
             extra, env = kv_args(c.base_port + i)
             if self.cfg.train.replay_indexer:
                 env = {**env, INDEX_KEYS_ENV: "1"}
             self.replicas.append(start_replica(
-                f"r{i}", init, c.base_port + i, self.run_dir / "replicas", dtype=self.cfg.model.inference_dtype,
+                name, init, c.base_port + i, self.run_dir / "replicas", dtype=self.cfg.model.inference_dtype,
                 max_num_seqs=c.max_num_seqs, kv_cache_gib=c.kv_cache_gib, enforce_eager=c.enforce_eager, extra=extra,
                 env=env, cpus=self.placement.replicas[i] if self.placement else None,
                 tensor_parallel=c.tensor_parallel))
+            self.replicas[-1].role = role
         wait_healthy(self.replicas)
         if version > 0:  # resumed: bring the fresh replicas to the trainer's version
             path = self.wait_for_weights(version)
@@ -462,6 +464,7 @@ class Orchestrator:
                         "rejected": rejected,
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
                         **tool_metrics(ro.counters),
+                        **(disagg_metrics(ro.counters) if self.cfg.inference.prefill_replicas else {}),
                         "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},
                         **{f"total_{name}": v for name, v in self.counters.items()},
                         **({"total_router_backoffs": self.router.backoffs} if inf_llmd else {}),

@@ -41,6 +41,7 @@ class Replica:
     policy_version: int = 0
     in_flight: int = 0
     segments: frozenset[str] = frozenset()  # /dev/shm paths its processes mapped once healthy
+    role: str = "both"  # "prefill" / "decode" under prefill/decode disaggregation (rl_loop.disagg)
 
 
 class ServerStartError(RuntimeError):

@@ -28,6 +28,7 @@ import numpy as np
 from vllm_ext.routing.record import decode_record_b64
 
 from .batch import Sample
+from .disagg import prefill, prefill_replicas, serving_replicas
 from .replicas import Replica
 from .report import log
 from .router import Route, as_router
@@ -132,12 +133,15 @@ async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica]
     `pick` is a `router.Router` (the llm-d EPP's client sees the request body) or a function
     `(replicas, key) -> Replica` (the embedded router). A transport error is retried once on the
     same replica before it counts as dead (a server that drops one connection is not yet dead).
+    Among prefill and decode replicas the prompt is first computed on a prefill one (`disagg`).
     """
     router = as_router(pick)
     body = completion_body(model, prompt_ids, **{k: v for k, v in kw.items() if k != "timeout_s"})
+    if prefill_replicas(replicas):
+        await prefill(session, replicas, router, body, key, counters, kw["timeout_s"])
     tried: set[str] = set()
     while True:
-        candidates = [r for r in replicas if r.up and r.name not in tried]
+        candidates = [r for r in serving_replicas(replicas) if r.up and r.name not in tried]
         if not candidates:
             raise GroupFailed(f"group {key}: every replica failed ({sorted(tried)})")
         async with router.route(candidates, key, body) as route:

@@ -226,6 +226,8 @@ def epp_command(config_path: Path | str, *, binary: str = "moerl-epp", pool_name
         binary, "--config-file", str(config_path), "--pool-name", pool_name, "--pool-namespace", pool_namespace,
         "--secure-serving=false", "--grpc-port", str(ports.grpc), "--grpc-health-port", str(ports.health),
         "--metrics-port", str(ports.metrics), "--enable-pprof=false", "--allow-experimental-plugins",
+        # llm-d's default exporter prints every span to stdout: on a busy host that is CPU the replicas need
+        "--tracing=false",
     ]
 
 

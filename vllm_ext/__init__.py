@@ -39,7 +39,7 @@ def register() -> None:
         vllm_executor_reads_every_answer,
     )
 
-    from . import hooks, serving
+    from . import hooks, routes, serving
     from .dsa import backend as dsa_backend
     from .metrics import patches_skipped
     from .routing.capture import capture_enabled
@@ -48,7 +48,7 @@ def register() -> None:
     patches.on_skip(patches_skipped.inc)
     patches.activate([vllm_cpu_mla_rope.PATCH, vllm_cpu_portable_kernels.PATCH, vllm_executor_reads_every_answer.PATCH,
                       vllm_cpu_shm_reader_naps.PATCH,
-                      *dsa_backend.PATCHES])
+                      *dsa_backend.PATCHES, *routes.PATCHES])
     weights_on = register_weights()  # weight-transfer backend "moerl", version in responses and /metrics
     routing_on = capture_enabled()
     if routing_on:

@@ -75,7 +75,8 @@ from .weights import served
 
 logger = logging.getLogger("vllm_ext.kv_pool")
 
-__all__ = ["MoerlMooncakeStoreConnector", "RoutingPool", "LOOKUP_FAILURES", "FAILURE_REASONS", "replica_cpus"]
+__all__ = ["MoerlMooncakeStoreConnector", "RoutingPool", "KvPoolWorkerExtension", "LOOKUP_FAILURES", "FAILURE_REASONS",
+           "replica_cpus"]
 
 LOOKUP_FAILURES = ("moerl:kv_pool_lookup_failures", "moerl_kv_pool_lookup_failures")
 UNREACHABLE, MISSING, CORRUPT = "unreachable", "missing", "corrupt"
@@ -127,7 +128,7 @@ class RoutingPool:
         worker.lookup = self.lookup
         self.routing: Any = None  # the worker's WorkerRouting, once the capture is bound
         self.shape: BlockShape | None = None
-        self._puts: queue.SimpleQueue = queue.SimpleQueue()
+        self._puts: queue.Queue = queue.Queue()  # joined by `flush`
         threading.Thread(target=self._put_loop, name="moerl-routing-put", daemon=True).start()
 
     def attach(self, routing: Any) -> None:
@@ -179,27 +180,38 @@ class RoutingPool:
         self._puts.put((self.key(block_hash), index, rows))
 
     def _put_loop(self) -> None:
-        import numpy as np
-
         while True:
             batch = [self._puts.get()]
             while len(batch) < 256 and not self._puts.empty():
                 batch.append(self._puts.get())
-            shape = self.shape
-            dims = (shape.block_size, len(shape.moe_layers), shape.top_k)
-            dtype = self.routing.store.dtype
-            keys = [k for k, _, _ in batch]
-            values = [encode_block(np.frombuffer(rows, dtype).reshape(dims), shape, i) for _, i, rows in batch]
-            t0 = time.perf_counter()
             try:
-                rc = self.store.put_batch(keys, values)
-            except Exception as exc:  # noqa: BLE001 - the store's errors are not typed
-                rc = exc
-            if rc not in (0, None):
-                logger.warning("moerl kv pool: routing of %d blocks not pooled (%s); they will be recomputed "
-                               "where they are missed", len(keys), rc)
-            self._record(OP_PUT, t0, len(keys), "ok" if rc in (0, None) else UNREACHABLE,
-                         0 if rc in (0, None) else len(keys), sum(len(v) for v in values))
+                self._put_batch(batch)
+            finally:
+                for _ in batch:
+                    self._puts.task_done()
+
+    def _put_batch(self, batch: list) -> None:
+        import numpy as np
+
+        shape = self.shape
+        dims = (shape.block_size, len(shape.moe_layers), shape.top_k)
+        dtype = self.routing.store.dtype
+        keys = [k for k, _, _ in batch]
+        values = [encode_block(np.frombuffer(rows, dtype).reshape(dims), shape, i) for _, i, rows in batch]
+        t0 = time.perf_counter()
+        try:
+            rc = self.store.put_batch(keys, values)
+        except Exception as exc:  # noqa: BLE001 - the store's errors are not typed
+            rc = exc
+        if rc not in (0, None):
+            logger.warning("moerl kv pool: routing of %d blocks not pooled (%s); they will be recomputed "
+                           "where they are missed", len(keys), rc)
+        self._record(OP_PUT, t0, len(keys), "ok" if rc in (0, None) else UNREACHABLE,
+                     0 if rc in (0, None) else len(keys), sum(len(v) for v in values))
+
+    def pending(self) -> int:
+        """Routing puts queued and not yet answered by the store."""
+        return self._puts.unfinished_tasks
 
     # ---------------------------------------------------------------- lookup
 
@@ -303,6 +315,37 @@ class MoerlMooncakeStoreConnector(MooncakeStoreConnector):
         with replica_cpus():
             super().register_kv_caches(kv_caches)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every KV and routing put queued so far has been answered by the store (sent or
+        failed); False on timeout.
+
+        A prefill replica answers once its step is done, while that step's puts are still queued;
+        a decode replica asked before they land would recompute the prompt (`rl_loop.disagg`)."""
+        worker, pool = self.connector_worker, capture.state.pool
+        deadline = time.monotonic() + timeout_s
+        while True:
+            send = worker.kv_send_thread if worker is not None else None
+            if not ((send is not None and send.request_queue.unfinished_tasks) or (pool is not None and pool.pending())):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return MoerlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+
+class KvPoolWorkerExtension:
+    """vLLM worker methods (``--worker-extension-cls vllm_ext.kv_pool.KvPoolWorkerExtension``) that the
+    API server reaches through ``collective_rpc``: the pool's queues live in the worker process."""
+
+    def moerl_flush_kv_pool(self, timeout_s: float) -> bool:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        if not isinstance(connector, MoerlMooncakeStoreConnector):
+            raise RuntimeError("this replica pools no KV: start it with moerl's Mooncake connector "
+                               "(rl_loop.kv_pool.connector_args)")
+        return connector.flush(timeout_s)

@@ -35,13 +35,19 @@ def class_fraction(cls: str, text: str) -> float:
 
 
 class CharClassTask:
+    """`preamble`: text before every prompt, as an agent's system prompt is: prompts that span KV
+    blocks, shared by every group (what prefix caching and the KV pool serve)."""
+
     name = "charclass"
+
+    def __init__(self, preamble: str = ""):
+        self.preamble = str(preamble)
 
     def prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         out = []
         for _ in range(n):
             cls = rng.choice(sorted(CLASSES))
-            out.append(Prompt(f"write {cls}:", {"class": cls}))
+            out.append(Prompt(f"{self.preamble}write {cls}:", {"class": cls}))
         return out
 
     def reward(self, prompt: Prompt, completion: str) -> float:
@@ -51,16 +57,17 @@ class CharClassTask:
 class CharClassTurnsTask(TextTurnsTask):
     name = "charclass_turns"
 
-    def __init__(self, turns: int = 2):
+    def __init__(self, turns: int = 2, preamble: str = ""):
         if turns < 1:
             raise ValueError(f"charclass_turns needs turns >= 1, got {turns}")
         self.turns = int(turns)
+        self.preamble = str(preamble)
 
     def prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         out = []
         for _ in range(n):
             classes = [rng.choice(sorted(CLASSES)) for _ in range(self.turns)]
-            out.append(Prompt(f"write {classes[0]}:", {"classes": classes}))
+            out.append(Prompt(f"{self.preamble}write {classes[0]}:", {"classes": classes}))
         return out
 
     def env_response(self, prompt: Prompt, replies: list[str]) -> str | None:

@@ -13,6 +13,10 @@ pool and computes every prompt itself (the reference). Checked, row for row:
   weight sync (the same weights pushed as v+1), a prompt A pooled while still on v
   is no hit on B; once both are on v+1 and A pooled it again, it is a hit on B,
   and B's record equals C's;
+* prefill/decode disaggregation as `moerl rl` runs it (`rl_loop.disagg`, through
+  `generate_group`): A prefills, B decodes from the pool; single requests and a
+  two-turn conversation give C's tokens and records, a prefill replica that is gone
+  hands the prompt to the next one, and with none left B computes it itself;
 * with the master killed, B keeps serving by recomputing, its record is complete,
   and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
   failed lookups; with the master back, pool hits resume;
@@ -21,6 +25,7 @@ pool and computes every prompt itself (the reference). Checked, row for row:
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import signal
@@ -32,7 +37,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
-from rl_loop.replicas import served_model_name, start_replica, stop_replica, wait_healthy
+from rl_loop.replicas import Replica, served_model_name, start_replica, stop_replica, wait_healthy
+from rl_loop.rollouts import Conversation, RolloutContext, replica_session
+from rl_loop.router import embedded_pick
 from tests.integration.test_vllm_routing import post
 from tests.ports import free_port
 from vllm_ext.routing.handoff import SHM_DIR
@@ -42,6 +49,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT_LEN, BLOCK = 100, 32  # 3 full blocks of 32 are pooled; the last token is always computed
 BLOCKS = PROMPT_LEN // BLOCK
+ENV_TOKENS = 30  # between the turns of a conversation
 
 
 def metric(base: str, name: str, **labels: str) -> float:
@@ -190,6 +198,73 @@ def test_a_weight_update_moves_the_pool_to_the_new_policy_version(pool):
     _, rec_b = pool.generate("B", prompt)
     assert hits(pool.base["B"]) - before == BLOCKS * BLOCK
     assert rec_b == rec_c
+
+
+def disaggregated(pool, *prefill_urls: str) -> list[Replica]:
+    """Prefill replicas at `prefill_urls` (default: A's) and B to decode, as `moerl rl` names them."""
+    urls = prefill_urls or (pool.base["A"],)
+    return ([Replica(name=f"p{i}", base_url=u, role="prefill") for i, u in enumerate(urls)]
+            + [Replica(name="d0", base_url=pool.base["B"], role="decode")])
+
+
+def play(pool, replicas: list[Replica], prompt: list[int], turns: int = 1) -> tuple[Conversation, dict]:
+    """A greedy conversation of `turns` model turns (environment tokens between them) through
+    `RolloutContext`, the path of `moerl rl`'s tasks; (conversation, counters)."""
+
+    async def run():
+        async with replica_session() as session:
+            ctx = RolloutContext(session, replicas, embedded_pick, pool.model, None, 4, 0.0, 300.0)
+            conv = Conversation(prompt)
+            for t in range(turns):
+                if t:  # 30 environment tokens: each later turn completes one more block
+                    conv.append([(17 * t + 5 * i) % 500 + 3 for i in range(ENV_TOKENS)])
+                await ctx.turn(conv, "group-0", seed=0)
+            return conv, ctx.counters
+
+    return asyncio.run(run())
+
+
+def test_prefill_on_a_decode_on_b_gives_the_tokens_and_record_of_one_replica(pool):
+    prompt = pool.prompt()
+    before = hits(pool.base["B"])
+    conv, counters = play(pool, disaggregated(pool), prompt)
+    assert counters["prefills"] == 1 and not counters.get("prefill_skipped") and not counters.get("flush_timeouts")
+    assert hits(pool.base["B"]) - before == BLOCKS * BLOCK  # flushed before B asked: every complete block
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)
+    assert conv.completion_ids == ref.completion_ids
+    assert (conv.routing() == ref.routing()).all() and conv.routing().shape[0] == PROMPT_LEN + 4 - 1
+
+
+def test_a_disaggregated_conversation_stitches_the_record_of_one_replica(pool):
+    prompt = pool.prompt()
+    before = hits(pool.base["B"])
+    conv, counters = play(pool, disaggregated(pool), prompt, turns=3)
+    assert counters["prefills"] == 3
+    # turn 1 loads the prompt's 3 blocks from the pool, turns 2 and 3 the one block each completes
+    # (134 and 168 tokens; the blocks B computed itself are in its own prefix cache)
+    assert hits(pool.base["B"]) - before == (BLOCKS + 2) * BLOCK
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt, turns=3)
+    assert conv.ids == ref.ids and conv.rows_per_turn == ref.rows_per_turn
+    assert (conv.routing() == ref.routing()).all()
+
+
+def test_a_prefill_replica_that_is_gone_hands_the_prompt_to_the_next_then_to_decode(pool):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: what a killed replica answers
+    prompt = pool.prompt()
+    before = hits(pool.base["B"])
+    conv, counters = play(pool, disaggregated(pool, dead, pool.base["A"]), prompt)
+    assert counters["prefill_resent"] == 1 and counters["prefills"] == 1
+    assert hits(pool.base["B"]) - before == BLOCKS * BLOCK
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)
+    assert (conv.routing() == ref.routing()).all()
+
+    prompt = pool.prompt()  # no prefill replica left: B computes the prompt itself
+    before = hits(pool.base["B"])
+    conv, counters = play(pool, disaggregated(pool, dead), prompt)
+    assert counters["prefill_skipped"] == 1 and not counters.get("prefills")
+    assert hits(pool.base["B"]) == before
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)
+    assert (conv.routing() == ref.routing()).all()
 
 
 def test_master_killed_replicas_recompute_then_hits_resume(pool):

@@ -30,10 +30,10 @@ CONFIG = str(ROOT / "configs" / "tiny_kimi_k2.toml")
 STEPS = ["--set", "train.steps=9", "--set", "train.checkpoint_interval=2"]
 
 
-def _moerl_rl(run_dir: Path, *extra: str, port: int | None = None) -> subprocess.Popen:
-    """`moerl rl` on the tiny config; its replicas serve on `port` + i (default: free ports)."""
+def _moerl_rl(run_dir: Path, *extra: str, port: int | None = None, config: str = CONFIG) -> subprocess.Popen:
+    """`moerl rl` on the tiny config (or `config`); its replicas serve on `port` + i (default: free ports)."""
     port = free_ports(2) if port is None else port
-    cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", CONFIG, "--set", f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", config, "--set", f"run_dir={run_dir}",
            "--set", f"inference.base_port={port}", "--set", "rollout.prompts_per_step=4", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -78,9 +78,9 @@ def _finish(proc, timeout_s: float = 900) -> str:
     return out
 
 
-def _run_to_end(run_dir: Path, *extra: str) -> tuple[int, str]:
+def _run_to_end(run_dir: Path, *extra: str, config: str = CONFIG) -> tuple[int, str]:
     """`moerl rl` run to its end: (exit code, output); its process tree is killed if waiting fails."""
-    proc = _moerl_rl(run_dir, *extra)
+    proc = _moerl_rl(run_dir, *extra, config=config)
     try:
         out = _finish(proc)
     finally:

@@ -79,6 +79,28 @@ def test_tensor_parallel_sizes_managed_replicas_only():
                             "their own servers set it: leave it at 1")
 
 
+def test_prefill_and_decode_replicas_replace_replicas_and_need_the_pool():
+    from rl_loop.disagg import replica_roles
+
+    pd = ("inference.prefill_replicas=1", "inference.decode_replicas=2", 'inference.kv_pool="mooncake"')
+    c = load(*pd).inference
+    assert c.replicas == 3
+    assert replica_roles(c) == [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
+    assert replica_roles(load().inference) == [("r0", "both"), ("r1", "both")]
+    for bad, message in [
+        (pd[:1] + pd[2:], "inference: inference.prefill_replicas = 1 and decode_replicas = 0: disaggregation needs "
+                          "at least one of each (or 0 and 0)"),
+        (pd[:2], "inference: inference.prefill_replicas hand the prompt's KV to the decode replicas through the "
+                 "Mooncake pool: set inference.kv_pool = 'mooncake'"),
+        ((*pd, 'inference.router="llmd"'), "inference: inference.prefill_replicas: the embedded router picks prefill "
+                                           "and decode replicas; with router = 'llmd' run llm-d's own prefill/decode "
+                                           "profiles instead (docs/kv-pool.md)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load(*bad)
+        assert str(e.value) == message
+
+
 def test_core_lists_must_name_cores_of_this_machine():
     n = os.cpu_count()
     assert load(f"train.cpus=0-{n - 1}").train.cpus == f"0-{n - 1}"

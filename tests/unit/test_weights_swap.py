@@ -45,7 +45,7 @@ class FakeAsyncLLM:
 @pytest.fixture
 def client():
     app = FastAPI()
-    app.include_router(swap._router())  # noqa: SLF001 - what the route patch adds beside vLLM's RL routes
+    app.include_router(swap.router())  # what vllm_ext.routes adds beside vLLM's RL routes
 
     def make(engine: FakeAsyncLLM) -> TestClient:
         app.state.engine_client = engine

@@ -20,7 +20,7 @@ worker and API server, by file:
 ``register()`` (called from ``vllm_ext.register``) registers the backend with
 ``WeightTransferEngineFactory`` lazily (the engine module is imported only when
 a server selects ``--weight-transfer-config '{"backend": "moerl"}'``) and activates
-the AsyncLLM and route patches (``api.PATCHES``, ``swap.PATCHES``); the engine
+the AsyncLLM patches (``api.PATCHES``; its route: ``vllm_ext.routes``); the engine
 activates ``patches.vllm_cpu_moe_reload_prepack`` once vLLM's MoE layer is loaded.
 Idempotent; imports vLLM only inside the call.
 """
@@ -52,8 +52,8 @@ def register() -> bool:
     if BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001 (no public lookup)
         WeightTransferEngineFactory.register_engine(BACKEND, "vllm_ext.weights.engine", "MoerlWeightTransferEngine")
     from ..metrics import state
-    from . import api, swap
+    from . import api
 
     state.install()
-    patches.activate([*api.PATCHES, *swap.PATCHES])
+    patches.activate(api.PATCHES)
     return True

@@ -14,21 +14,18 @@ before: the request then has no answer and the caller takes the replica out.
 Body: ``{"update_info": {...phase "apply"...}, "weight_version": "N"}``. Answer:
 the seconds of each step (``pause_s``, ``update_s``, ``finish_s``, ``resume_s``);
 a failed step answers 500 with vLLM's error shape and the worker's message,
-after the resume. Added beside vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``).
+after the resume. Added beside vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``) by ``vllm_ext.routes``.
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the route's parameter annotations,
 # and ``Request`` is imported inside ``_router``
-import functools
 import time
 from http import HTTPStatus
-
-import patches
 
 from ..metrics import state
 from ..transport.client import SWAP_ROUTE as ROUTE
 
-__all__ = ["ROUTE", "PATCHES", "swap"]
+__all__ = ["ROUTE", "router", "swap"]
 
 
 async def swap(engine, update_info: dict, weight_version: str) -> dict[str, float]:
@@ -61,7 +58,8 @@ async def swap(engine, update_info: dict, weight_version: str) -> dict[str, floa
     return seconds
 
 
-def _router():
+def router():
+    """The route, for `vllm_ext.routes` to add beside vLLM's RL routes."""
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse
 
@@ -88,21 +86,3 @@ def _router():
         return JSONResponse(seconds)
 
     return router
-
-
-def with_swap_route(register_rl_api_routers):
-    """vLLM's RL routes (the API server, in dev mode), and this one beside them."""
-
-    @functools.wraps(register_rl_api_routers)
-    def register(app) -> None:
-        register_rl_api_routers(app)
-        app.include_router(_router())
-
-    return register
-
-
-PATCHES = (patches.wrapper_patch(
-    "vllm_rl_routes_swap_weights", "vllm.entrypoints.rl.factories:register_rl_api_routers", with_swap_route,
-    versions="vllm>=0.32,<0.33", params=["app"],
-    upstream="vLLM 0.32.0 entrypoints/rl/factories.py register_rl_api_routers",
-    symptom=f"POST {ROUTE} answers 404: sharded weight updates cannot be applied"),)
