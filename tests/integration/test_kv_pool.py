@@ -17,7 +17,7 @@ pool and computes every prompt itself (the reference). Checked, row for row:
   `generate_group`): A prefills, B decodes from the pool; single requests and a
   two-turn conversation give C's tokens and records, a prefill replica that is gone
   hands the prompt to the next one, and with none left B computes it itself;
-* with the master killed, B keeps serving by recomputing, its record is complete,
+* with the master killed, B keeps serving by recomputing (also as a decode replica), its record is complete,
   and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
   failed lookups; with the master back, pool hits resume;
 * nothing is left: no server process, no /dev/shm segment of these servers.
@@ -281,6 +281,13 @@ def test_master_killed_replicas_recompute_then_hits_resume(pool):
     while metric(pool.base["B"], failures[0], **failures[1]) <= failed_before:
         assert time.time() < deadline, "no failed pool lookup counted with the master down"
         time.sleep(0.5)
+    # disaggregated: A's puts fail, the flush answers (nothing left queued) or times out, and B
+    # computes the prompt; the record is still the one C gives
+    prompt = pool.prompt()
+    conv, counters = play(pool, disaggregated(pool), prompt)
+    assert counters["prefills"] == 1
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)
+    assert conv.completion_ids == ref.completion_ids and (conv.routing() == ref.routing()).all()
 
     pool.master.start()  # same ports: the replicas' clients reconnect and mount their segments again
     deadline = time.time() + 60  # A's and B's clients each reconnect on their own schedule
