@@ -7,6 +7,8 @@ that do both, the same Mooncake pool), `--steps` steps each, same seed, in turn.
 each run's metrics.jsonl: mean rollout seconds per step (`gen_s`) and sampled tokens per second
 over them (every sample is `max_tokens` long: the loop ignores EOS), the mean time a prompt spent
 on the prefill replica including the flush into the pool (`prefill_s_mean`, disaggregated only),
+time to first token (`ttft_s_mean`: the prefill half plus the sampling replica's own, from vLLM's
+`vllm:time_to_first_token_seconds` as `moerl rl` records it per step),
 the fall-backs (`prefill_resent`, `prefill_skipped`, `flush_timeouts`), rejected samples (a
 sample whose routing record is incomplete or malformed is rejected), k3 between the replicas'
 logprobs and the trainer's with router replay (mean of the steps' `k3_mean`, max of `k3_max`),
@@ -43,12 +45,16 @@ def summary(records: list[dict], samples_tokens: int) -> dict:
         "k3_max": max(r["k3_max"] for r in records),
         "reward_first5": round(statistics.mean(r["reward"] for r in records[:5]), 3),
         "reward_last5": round(statistics.mean(r["reward"] for r in records[-5:]), 3),
+        # vLLM's own histogram on the sampling replicas (the decode replica's half, disaggregated)
+        "sampler_ttft_s_mean": round(statistics.mean(r["ttft_s_mean"] for r in records), 4),
     }
     if "prefills" in records[0]:
         out["prefills"] = sum(r["prefills"] for r in records)
         out["prefill_s_mean"] = round(statistics.mean(r["prefill_s_mean"] for r in records if r["prefill_s_mean"]), 4)
         for k in ("prefill_resent", "prefill_skipped", "flush_timeouts"):
             out[k] = sum(r[k] for r in records)
+    # what a request waits for its first token: the prefill half (prompt and flush), then the sampler's
+    out["ttft_s_mean"] = round(out.get("prefill_s_mean", 0.0) + out["sampler_ttft_s_mean"], 4)
     return out
 
 
@@ -74,7 +80,8 @@ def main(argv=None) -> int:
         "modes": modes,
         "disaggregated_over_aggregated": {
             "sampled_tokens_per_s": round(dis["sampled_tokens_per_s"] / agg["sampled_tokens_per_s"], 3),
-            "gen_s_mean": round(dis["gen_s_mean"] / agg["gen_s_mean"], 3)},
+            "gen_s_mean": round(dis["gen_s_mean"] / agg["gen_s_mean"], 3),
+            "ttft_s_mean": round(dis["ttft_s_mean"] / agg["ttft_s_mean"], 3)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

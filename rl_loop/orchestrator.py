@@ -42,8 +42,8 @@ from .batch import Batch, ModelShape, Sample, pack, reason_kind
 from .config import RLConfig
 from .placement import for_config, format_cpus, pin, trainer_env
 from .kv_pool import MooncakeMaster, MooncakePool, connector_args
-from .disagg import disagg_metrics, replica_roles
-from .replicas import Replica, checkpoint_context, served_model_name, start_replica, stop_replica, wait_healthy
+from .disagg import disagg_metrics, replica_roles, serving_replicas
+from .replicas import Replica, checkpoint_context, ttft_totals, served_model_name, start_replica, stop_replica, wait_healthy
 from .report import Reporter, log
 from .llmd import LlmdRouter
 from .router import embedded_pick
@@ -209,6 +209,17 @@ class Orchestrator:
     # ------------------------------------------------------------------ per step
 
     async def rollouts(self, session, tokenizer, model_name: str, step: int) -> Rollouts:
+        """The step's rollouts, and the mean time to first token the sampling replicas saw meanwhile
+        (vLLM's own histogram; under disaggregation the decode half's, after `prefill_s`)."""
+        serving = [r for r in serving_replicas(self.replicas) if r.up]
+        before = await ttft_totals(session, serving)
+        ro = await self._rollouts(session, tokenizer, model_name, step)
+        after = await ttft_totals(session, serving)
+        if before is not None and after is not None and after[1] > before[1]:
+            ro.counters["ttft_s"] = (after[0] - before[0]) / (after[1] - before[1])
+        return ro
+
+    async def _rollouts(self, session, tokenizer, model_name: str, step: int) -> Rollouts:
         c = self.cfg.rollout
         prompts = self.task.prompts(self.rng, c.prompts_per_step)
         counters = {"resent_groups": 0}
@@ -463,6 +474,7 @@ class Orchestrator:
                         "step_s": time.perf_counter() - t_step, "samples": len(fresh),
                         "rejected": rejected,
                         "policy_lag": step - 1 - min(s.policy_version for s in fresh),
+                        "ttft_s_mean": ro.counters.get("ttft_s"),
                         **tool_metrics(ro.counters),
                         **(disagg_metrics(ro.counters) if self.cfg.inference.prefill_replicas else {}),
                         "replica_versions": {r.name: r.policy_version for r in self.replicas if r.up},

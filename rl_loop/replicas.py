@@ -217,3 +217,27 @@ def post_json(url: str, body: dict | None = None, timeout_s: float = 600.0) -> d
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"{url}: HTTP {exc.code}: {exc.read().decode()[:2000]}") from None
     return json.loads(raw) if raw.strip() else {}
+
+
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+async def ttft_totals(session, replicas: list[Replica]) -> tuple[float, float] | None:
+    """(sum of seconds, requests) of vLLM's time-to-first-token histogram over `replicas`, from their
+    /metrics; None if one does not answer (a replica going down mid-step is not an error here)."""
+    import aiohttp
+
+    total, count = 0.0, 0.0
+    for r in replicas:
+        try:
+            async with session.get(r.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith(TTFT + "_sum"):
+                total += float(value.rsplit(" ", 1)[-1])
+            elif name.startswith(TTFT + "_count"):
+                count += float(value.rsplit(" ", 1)[-1])
+    return total, count

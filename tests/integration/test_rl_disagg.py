@@ -39,7 +39,7 @@ def test_moerl_rl_prefills_on_one_replica_and_decodes_on_the_other(tmp_path):
     records = _records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
-        assert r["prefills"] == GROUPS and r["prefill_s_mean"] > 0, r
+        assert r["prefills"] == GROUPS and r["prefill_s_mean"] > 0 and r["ttft_s_mean"] > 0, r
         assert (r["prefill_resent"], r["prefill_skipped"], r["flush_timeouts"]) == (0, 0, 0) and not r["rejected"], r
         assert r["policy_lag"] == 0
     assert [r["replica_versions"] for r in records] == [{"p0": s, "d0": s} for s in range(1, STEPS + 1)]

@@ -46,9 +46,9 @@ def test_receiver_adapter_layout():
     assert w["weights.served"] == {"metrics"}  # the served policy version: told to subscribers, knows no lane
     assert w["weights.reload"] == {"transport.format", "transport.plan"}  # experts stacked, names from the wire
     assert w["weights.engine"] == tr | {"weights.served", "weights.reload"}
-    assert w["weights.swap"] == {"metrics", "transport.client"}  # the route the trainer's client calls
+    assert w["weights.swap"] == {"metrics", "transport.client"}  # the route the trainer's client calls (vllm_ext.routes adds it)
     assert w["weights.api"] == {"metrics"}  # the AsyncLLM hooks; the serving wrappers are vllm_ext.serving's
-    assert w["weights"] == {"metrics", "weights.api", "weights.swap"}  # register() activates their patches
+    assert w["weights"] == {"metrics", "weights.api"}  # register() activates its patches
 
 
 def test_filesystem_transport_imports_without_the_streaming_modules():
