@@ -46,7 +46,6 @@ import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
-
 from rl_loop.llmd import LlmdRouter
 from rl_loop.replicas import post_json, start_replica, stop_replica, wait_healthy
 from rl_loop.rollouts import RolloutContext, replica_session
@@ -247,7 +246,7 @@ def play_arm(name, arm, run, replicas, endpoints, events, binaries, work, model,
         m = scrape(epp_metrics)
         decision, request = "llm_d_epp_scheduler_e2e_duration_seconds", "llm_d_epp_request_processing_duration_seconds"
         result["epp"] = {
-            "nice": os.getpriority(os.PRIO_PROCESS, started[-1].pid),  # `_picker_priority`
+            "nice": os.getpriority(os.PRIO_PROCESS, epp.pid),  # `_picker_priority`
             "decisions": total(m, decision + "_count"),
             "scheduler_e2e_p50_s": histogram_quantile(m, decision, 0.50),
             "scheduler_e2e_p99_s": histogram_quantile(m, decision, 0.99),

@@ -11,7 +11,7 @@ in one Mooncake store (`vllm_ext.kv_pool`). Each request then runs in two halves
    prompt's complete blocks in the pool (moerl's lookup only where their routing rows are there
    too), loads KV and rows, computes the rest of the prompt and samples. The response carries
    one record over prompt and sampled tokens, the pooled rows where the prefill replica
-   computed them: the record a single replica would give (`tests/integration/test_disagg.py`).
+   computed them: the record a single replica would give (`tests/integration/test_kv_pool.py`).
 
 Multi-turn conversations need nothing more: turn n+1's prefill finds turn n's blocks in the pool
 (the decode replica pooled them) and computes only the new ones.

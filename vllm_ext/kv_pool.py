@@ -336,7 +336,6 @@ class MoerlMooncakeStoreConnector(MooncakeStoreConnector):
         return MoerlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-
 class KvPoolWorkerExtension:
     """vLLM worker methods (``--worker-extension-cls vllm_ext.kv_pool.KvPoolWorkerExtension``) that the
     API server reaches through ``collective_rpc``: the pool's queues live in the worker process."""
