@@ -108,7 +108,8 @@ class InferenceConfig:
     prefill_replicas: StrictInt = knob(
         0, "prefill/decode disaggregation: managed replicas (p0, p1, ...) that only compute prompts and hand their "
            "KV and routing rows to the decode replicas through the Mooncake pool (needs kv_pool = 'mooncake'; "
-           "rl_loop/disagg.py); 0: every replica does both", ge=0)
+           "rl_loop/disagg.py; with router = 'llmd' the picker's prefill/decode profiles choose both: "
+           "moerl router-config --prefill-endpoints); 0: every replica does both", ge=0)
     decode_replicas: StrictInt = knob(
         0, "with prefill_replicas: managed replicas (d0, d1, ...) that load the pooled prompt and sample; "
            "inference.replicas becomes prefill_replicas + decode_replicas", ge=0)
@@ -138,9 +139,6 @@ class InferenceConfig:
         if self.kv_pool != "mooncake":
             raise ValueError("inference.prefill_replicas hand the prompt's KV to the decode replicas through the "
                              "Mooncake pool: set inference.kv_pool = 'mooncake'")
-        if self.router != "embedded":
-            raise ValueError("inference.prefill_replicas: the embedded router picks prefill and decode replicas; "
-                             "with router = 'llmd' run llm-d's own prefill/decode profiles instead (docs/kv-pool.md)")
         self.replicas = self.prefill_replicas + self.decode_replicas
         return self
 

@@ -4,9 +4,11 @@ With `inference.prefill_replicas` = P and `decode_replicas` = D, `moerl rl` star
 replicas (p0, ...) and D decode replicas (d0, ...), every one pooling KV with its routing rows
 in one Mooncake store (`vllm_ext.kv_pool`). Each request then runs in two halves:
 
-1. prefill: the prompt, `max_tokens` 1, on the prefill replica the router picks for the group's
-   key; then `POST /moerl/kv_pool/flush` on it (`vllm_ext.routes`), which answers once its KV
-   blocks and their routing rows are in the store (a response leaves before its step's puts);
+1. prefill: the prompt, `max_tokens` 1, on a prefill replica: the one the embedded router picks
+   for the group's key, or the one llm-d's prefill profile picked (`rl_loop.llmd`; its decider
+   may also find the prompt cached on the decode replica and name none). The replica answers once
+   its KV blocks and their routing rows are in the store (`vllm_ext.prefill_handoff`, the
+   middleware `rl_loop.kv_pool` starts prefill replicas with);
 2. decode: the request as configured on a decode replica. vLLM's Mooncake connector finds the
    prompt's complete blocks in the pool (moerl's lookup only where their routing rows are there
    too), loads KV and rows, computes the rest of the prompt and samples. The response carries
@@ -18,8 +20,10 @@ Multi-turn conversations need nothing more: turn n+1's prefill finds turn n's bl
 
 Nothing here can make a record wrong; at worst the decode replica computes more itself. A
 prefill replica that fails is taken out of rotation and the prompt is prefilled on the next one
-(`prefill_resent`); with none left, or a flush that times out (the store slow or gone), the
-decode replica computes what the pool lacks (`prefill_skipped`, `flush_timeouts`). Policy
+(`prefill_resent`; under llm-d the decode replica computes it, and the picker, which scrapes
+the replicas, stops choosing the dead one); with none left, or a hand-over that times out (the
+store slow or gone), the decode replica computes what the pool lacks (`prefill_skipped`,
+`flush_timeouts`). Policy
 versions keep KV of old weights from new ones: pool keys carry the version of the weights that
 computed them, and a weight update moves prefill and decode replicas together (they are all
 replicas of the run).
@@ -32,13 +36,12 @@ import time
 
 import aiohttp
 
-from vllm_ext.routes import FLUSH_ROUTE
+from vllm_ext.prefill_handoff import FLUSH_TIMEOUT_S, HEADER
 
+from .kv_pool import PREFILL_MIDDLEWARE
 from .replicas import Replica
 from .report import log
-from .router import as_router
-
-FLUSH_TIMEOUT_S = 30.0
+from .router import Route, as_router
 
 
 def replica_roles(c) -> list[tuple[str, str]]:
@@ -66,44 +69,51 @@ def serving_replicas(replicas: list[Replica]) -> list[Replica]:
     return [r for r in replicas if r.role != "prefill"]
 
 
-async def prefill(session: aiohttp.ClientSession, replicas: list[Replica], pick, body: dict, key: str,
-                  counters: dict, timeout_s: float) -> Replica | None:
-    """The first half of a disaggregated request: `body`'s prompt computed on a prefill replica and
-    flushed into the pool. Returns the replica, or None when no prefill replica could (counted)."""
-    router = as_router(pick)
+async def prefill_on(session: aiohttp.ClientSession, replica: Replica, body: dict, key: str, counters: dict,
+                     timeout_s: float, route: Route | None = None) -> bool:
+    """`body`'s prompt computed on the prefill `replica` and held there until its KV is in the pool
+    (`vllm_ext.prefill_handoff`). False, with the replica out of rotation, when it could not."""
     half = {**body, "n": 1, "max_tokens": 1, "logprobs": None, "routed_experts_prompt_start": len(body["prompt"])}
     t0 = time.perf_counter()
+    replica.in_flight += 1
+    try:
+        async with session.post(replica.base_url + "/v1/completions", json=half,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s + FLUSH_TIMEOUT_S)) as resp:
+            raw = await resp.read()
+            if route is not None:
+                route.answered(resp.status, raw)
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
+            pooled = resp.headers.get(HEADER, "")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        log(f"prefill replica {replica.name} failed on group {key} ({exc!r}): out of rotation")
+        replica.up = False
+        return False
+    finally:
+        replica.in_flight -= 1
+    if not pooled.startswith("stored"):
+        if not pooled:
+            raise RuntimeError(f"prefill replica {replica.name} answered without {HEADER}: it does not hand its KV "
+                               f"to the pool; start it with --middleware {PREFILL_MIDDLEWARE} (rl_loop.kv_pool)")
+        counters["flush_timeouts"] = counters.get("flush_timeouts", 0) + 1
+    counters["prefill_s"] = counters.get("prefill_s", 0.0) + time.perf_counter() - t0
+    counters["prefills"] = counters.get("prefills", 0) + 1
+    return True
+
+
+async def prefill(session: aiohttp.ClientSession, replicas: list[Replica], pick, body: dict, key: str,
+                  counters: dict, timeout_s: float) -> Replica | None:
+    """The first half of a disaggregated request under the embedded router: a prefill replica picked
+    for `key`, the next one when it fails. Returns the replica, or None when none could (counted)."""
+    router = as_router(pick)
     tried: set[str] = set()
     while True:
         candidates = [r for r in prefill_replicas(replicas) if r.up and r.name not in tried]
         if not candidates:
             counters["prefill_skipped"] = counters.get("prefill_skipped", 0) + 1
             return None
-        async with router.route(candidates, key, half) as route:
-            replica = route.replica
-            replica.in_flight += 1
-            try:
-                async with session.post(replica.base_url + "/v1/completions", json=half,
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                    raw = await resp.read()
-                    route.answered(resp.status, raw)
-                    if resp.status != 200:
-                        raise RuntimeError(f"HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
-                async with session.post(replica.base_url + FLUSH_ROUTE, json={"timeout_s": FLUSH_TIMEOUT_S},
-                                        timeout=aiohttp.ClientTimeout(total=FLUSH_TIMEOUT_S + 10)) as resp:
-                    if resp.status == 504:
-                        counters["flush_timeouts"] = counters.get("flush_timeouts", 0) + 1
-                    elif resp.status != 200:
-                        raise RuntimeError(f"{FLUSH_ROUTE}: HTTP {resp.status}: {(await resp.text())[:500]}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                log(f"prefill replica {replica.name} failed on group {key} ({exc!r}): out of rotation, prompt "
-                    "prefilled elsewhere")
-                replica.up = False
-                tried.add(replica.name)
-                counters["prefill_resent"] = counters.get("prefill_resent", 0) + 1
-                continue
-            finally:
-                replica.in_flight -= 1
-        counters["prefill_s"] = counters.get("prefill_s", 0.0) + time.perf_counter() - t0
-        counters["prefills"] = counters.get("prefills", 0) + 1
-        return replica
+        async with router.route(candidates, key, body) as route:
+            if await prefill_on(session, route.replica, body, key, counters, timeout_s, route):
+                return route.replica
+            tried.add(route.replica.name)
+            counters["prefill_resent"] = counters.get("prefill_resent", 0) + 1

@@ -26,6 +26,7 @@ __all__ = ["MooncakePool", "MooncakeMaster", "connector_args", "LEASE_TTL_MS"]
 
 CONNECTOR = "MoerlMooncakeStoreConnector"
 WORKER_EXTENSION = "vllm_ext.kv_pool.KvPoolWorkerExtension"
+PREFILL_MIDDLEWARE = "vllm_ext.prefill_handoff.PrefillHandoff"
 # An object read stays leased (not evicted) this long. Mooncake's default is
 # seconds; prime-rl found blocks expiring before decode reused them and raised it
 # to an hour.
@@ -42,8 +43,10 @@ class MooncakePool:
     segment_gib: float = 0.25
 
 
-def connector_args(pool: MooncakePool, config_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
-    """vLLM arguments and environment of the replica serving on `port` that pools its KV in `pool`.
+def connector_args(pool: MooncakePool, config_path: Path, port: int,
+                   role: str = "both") -> tuple[list[str], dict[str, str]]:
+    """vLLM arguments and environment of the replica serving on `port` that pools its KV in `pool`;
+    a `role` "prefill" replica answers once its KV is stored (`vllm_ext.prefill_handoff`).
 
     vLLM names the connector's scheduler-to-worker lookup socket by host and `lookup_rpc_port`
     (default 0), so replicas on one host bound the same IPC path: the last one started took it, and
@@ -53,8 +56,8 @@ def connector_args(pool: MooncakePool, config_path: Path, port: int) -> tuple[li
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_ext.kv_pool", "kv_role": "kv_both",
           "kv_connector_extra_config": {"lookup_rpc_port": int(port)}}
     env = {"MOONCAKE_CONFIG_PATH": str(config_path), "VLLM_HOST_IP": pool.host}
-    # the worker side of POST /moerl/kv_pool/flush (prefill/decode hand-over: rl_loop.disagg)
-    return ["--kv-transfer-config", json.dumps(kv), "--worker-extension-cls", WORKER_EXTENSION], env
+    args = ["--kv-transfer-config", json.dumps(kv), "--worker-extension-cls", WORKER_EXTENSION]
+    return args + (["--middleware", PREFILL_MIDDLEWARE] if role == "prefill" else []), env
 
 
 class MooncakeMaster:

@@ -5,8 +5,12 @@ requests straight to the replicas, so it asks the EPP itself, the way Envoy does
 `envoy.service.ext_proc.v3.ExternalProcessor/Process` stream per request carrying the
 request headers (with the GRPO group / session id in `x-moerl-affinity-key`) and body;
 the EPP answers with the `x-gateway-destination-endpoint` header (`ip:port` of the
-replica its profile picked). After the replica answered, the response headers and body
-go down the same stream, so the EPP sees the request end as it would behind Envoy.
+replica its profile picked). With llm-d's prefill/decode profiles (`disagg-profile-handler`,
+`moerl router-config --prefill-endpoints`) the destination is a decode replica, and when the
+profile's decider wants the prompt prefilled elsewhere `x-prefiller-host-port` names the prefill
+replica: `moerl rl` then makes the two hops llm-d's pd-sidecar would (`rl_loop.disagg`).
+After the replica answered, the response headers and body go down the same stream, so the
+EPP sees the request end as it would behind Envoy.
 
 When the EPP finds no endpoint (every replica paused for a weight update) it answers at
 once with HTTP 429; the router then backs off (exponentially, up to `max_backoff_s`)
@@ -35,6 +39,7 @@ from .router import Route
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PREFILL_HEADER = "x-prefiller-host-port"  # llm-d's disagg-profile-handler: the prefill profile's pick
 AFFINITY_HEADER = "x-moerl-affinity-key"
 
 
@@ -180,6 +185,7 @@ class LlmdRouter:
     backoff_s: float = 0.25
     max_backoff_s: float = 4.0
     authority: str = "moerl"
+    picks_prefill = True  # with P/D profiles in the EPP's config; without them it never names one
     backoffs: int = 0  # waits after a 429/503 answer, over the router's life
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
@@ -238,7 +244,8 @@ class LlmdRouter:
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.max_backoff_s)
         destination = answer.set_headers.get(DESTINATION_HEADER, "")
-        route = Route(_replica_at(candidates, destination))
+        prefill = answer.set_headers.get(PREFILL_HEADER)
+        route = Route(_replica_at(candidates, destination), _replica_at(candidates, prefill) if prefill else None)
         try:
             yield route
         finally:

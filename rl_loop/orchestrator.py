@@ -178,7 +178,7 @@ class Orchestrator:
         kv_args = self.start_kv_pool()
         self.replicas = []
         for i, (name, role) in enumerate(replica_roles(c)):
-            extra, env = kv_args(c.base_port + i)
+            extra, env = kv_args(c.base_port + i, role)
             if self.cfg.train.replay_indexer:
                 env = {**env, INDEX_KEYS_ENV: "1"}
             self.replicas.append(start_replica(
@@ -194,17 +194,17 @@ class Orchestrator:
                 self.weight_sync(r, path, version)
                 r.policy_version = version
 
-    def start_kv_pool(self) -> Callable[[int], tuple[list[str], dict[str, str]]]:
-        """Start the mooncake_master when the replicas pool KV; port -> the vLLM arguments and environment of
-        the replica serving on that port."""
+    def start_kv_pool(self) -> Callable[[int, str], tuple[list[str], dict[str, str]]]:
+        """Start the mooncake_master when the replicas pool KV; (port, role) -> the vLLM arguments and
+        environment of the replica serving on that port."""
         c = self.cfg.inference
         if c.kv_pool == "off":
-            return lambda port: ([], {})
+            return lambda port, role: ([], {})
         pool = MooncakePool(host=c.kv_pool_host, rpc_port=c.kv_pool_rpc_port, metrics_port=c.kv_pool_metrics_port,
                             segment_gib=c.kv_pool_segment_gib)
         self.kv_master = MooncakeMaster(pool, self.run_dir / "kv_pool")
         self.kv_master.start()
-        return lambda port: connector_args(pool, self.kv_master.config_path, port)
+        return lambda port, role: connector_args(pool, self.kv_master.config_path, port, role)
 
     # ------------------------------------------------------------------ per step
 

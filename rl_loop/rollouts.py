@@ -28,7 +28,7 @@ import numpy as np
 from vllm_ext.routing.record import decode_record_b64
 
 from .batch import Sample
-from .disagg import prefill, prefill_replicas, serving_replicas
+from .disagg import prefill, prefill_on, prefill_replicas, serving_replicas
 from .replicas import Replica
 from .report import log
 from .router import Route, as_router
@@ -133,19 +133,30 @@ async def generate_group(session: aiohttp.ClientSession, replicas: list[Replica]
     `pick` is a `router.Router` (the llm-d EPP's client sees the request body) or a function
     `(replicas, key) -> Replica` (the embedded router). A transport error is retried once on the
     same replica before it counts as dead (a server that drops one connection is not yet dead).
-    Among prefill and decode replicas the prompt is first computed on a prefill one (`disagg`).
+    Among prefill and decode replicas the prompt is first computed on a prefill one (`disagg`): the one
+    the router names with the route (llm-d's P/D profiles, which may also decide none is needed), or
+    else one picked among the prefill replicas.
     """
     router = as_router(pick)
     body = completion_body(model, prompt_ids, **{k: v for k, v in kw.items() if k != "timeout_s"})
-    if prefill_replicas(replicas):
+    disagg = bool(prefill_replicas(replicas))
+    if disagg and not router.picks_prefill:
         await prefill(session, replicas, router, body, key, counters, kw["timeout_s"])
     tried: set[str] = set()
     while True:
         candidates = [r for r in serving_replicas(replicas) if r.up and r.name not in tried]
         if not candidates:
             raise GroupFailed(f"group {key}: every replica failed ({sorted(tried)})")
+        if disagg and router.picks_prefill:  # llm-d's P/D profiles choose among every replica, by role
+            candidates += [r for r in prefill_replicas(replicas) if r.up]
         async with router.route(candidates, key, body) as route:
             replica = route.replica
+            if replica.role == "prefill":
+                raise RuntimeError(f"the router sent group {key} to prefill replica {replica.name} to sample: give "
+                                   "llm-d's endpoints their roles (moerl router-config --prefill-endpoints)")
+            if route.prefill is not None and not await prefill_on(session, route.prefill, body, key, counters,
+                                                                  kw["timeout_s"]):
+                counters["prefill_skipped"] = counters.get("prefill_skipped", 0) + 1
             for attempt in (1, 2):
                 try:
                     return await request_group(session, replica, model, prompt_ids, route=route, **kw), replica

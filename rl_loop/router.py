@@ -8,7 +8,10 @@ on the group key) while load allows. With `inference.router = "llmd"` a running
 llm-d endpoint picker decides instead (`rl_loop.llmd`).
 
 A router is anything with `route(candidates, key, body)`: an async context manager
-yielding the `Route` (the replica) for one request, open while the request runs.
+yielding the `Route` (the replica) for one request, open while the request runs. Under
+prefill/decode disaggregation a router that `picks_prefill` (llm-d's P/D profiles) also names
+the prefill replica in the route; for one that does not, `rl_loop.disagg` picks it with a
+route of its own among the prefill replicas.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from .replicas import Replica
 
 @dataclass
 class Route:
-    """Where one request goes; `answered` keeps the replica's reply for routers that report it (llm-d)."""
+    """Where one request goes (and, when the router chose one, where its prompt is prefilled);
+    `answered` keeps the replica's reply for routers that report it (llm-d)."""
 
     replica: Replica
+    prefill: Replica | None = None
     status: int = 0
     body: bytes = b""
 
@@ -35,6 +40,8 @@ class Route:
 
 
 class Router(Protocol):
+    picks_prefill: bool
+
     def route(self, candidates: list[Replica], key: str, body: dict) -> AsyncContextManager[Route]: ...
 
 
@@ -43,6 +50,7 @@ class PickRouter:
     """A router from a choice function `(replicas, key) -> Replica`, such as `embedded_pick`."""
 
     pick: Callable[[list[Replica], str], Replica]
+    picks_prefill = False
 
     @asynccontextmanager
     async def route(self, candidates: list[Replica], key: str, body: dict):

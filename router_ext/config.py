@@ -28,6 +28,17 @@ vllm_ext exports. ``build_llmd_default_config`` writes llm-d's own default
 profile instead (its queue, KV-utilisation and prefix-cache scorers), the
 baseline ``benchmarks.llmd_e2e`` compares with.
 
+With ``--prefill-endpoints`` the picker disaggregates prefill and decode with llm-d's own
+machinery: every endpoint carries its role (``llm-d.ai/role``: ``prefill`` for those,
+``decode`` for the others), and llm-d's ``disagg-profile-handler`` runs a ``decode`` profile
+(``decode-filter``, then moerl's filter and scorer as above) and, when its
+``prefix-based-pd-decider`` finds at least ``--pd-non-cached-tokens`` prompt tokens not cached on
+the decode pick, a ``prefill`` profile (``prefill-filter``, moerl's filter and scorer), naming its
+pick in ``x-prefiller-host-port``. Whoever forwards the request makes the two hops: llm-d's
+``pd-sidecar --kv-connector shared-storage`` in front of each decode replica, or ``moerl rl``
+itself (``rl_loop.disagg``). Prefill replicas answer once their KV is in the Mooncake pool
+(``vllm_ext.prefill_handoff``), so the decode replica finds it there.
+
 Output is plain YAML written by hand (JSON-compatible scalars only), so this
 module needs nothing beyond the standard library.
 """
@@ -45,7 +56,7 @@ from typing import Iterable, Sequence
 
 from router_ext.scorer import ScorerParams
 
-__all__ = ["Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file",
+__all__ = ["Disagg", "Endpoint", "EppPorts", "KvEvents", "vllm_kv_events_config", "build_epp_config", "build_endpoints_file",
            "build_llmd_default_config", "epp_command", "main", "parse_endpoints", "to_yaml", "write"]
 
 POLICY_VERSION_METRIC = "moerl:policy_version"
@@ -54,6 +65,7 @@ POLICY_VERSION_ATTRIBUTE = "moerl.policy_version"
 UPDATING_ATTRIBUTE = "moerl.weight_update_in_progress"
 AFFINITY_HEADER = "x-moerl-affinity-key"
 ENGINE_LABEL = "llm-d.ai/engine-type"
+ROLE_LABEL = "llm-d.ai/role"  # read by llm-d's prefill-filter and decode-filter
 
 
 @dataclass(frozen=True)
@@ -63,9 +75,10 @@ class Endpoint:
     name: str
     address: str
     port: int
+    role: str = ""  # "prefill" / "decode" under disaggregation; "" serves both
 
 
-def parse_endpoints(specs: Iterable[str]) -> list[Endpoint]:
+def parse_endpoints(specs: Iterable[str], role: str = "") -> list[Endpoint]:
     """Parse ``[name=]host:port`` items (comma lists allowed).
 
     Hostnames are resolved to IPv4 here because llm-d's file discovery
@@ -83,7 +96,7 @@ def parse_endpoints(specs: Iterable[str]) -> list[Endpoint]:
                 addr = str(ipaddress.IPv4Address(host))
             except ValueError:
                 addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-            out.append(Endpoint(name or f"vllm-{len(out)}", addr, int(port)))
+            out.append(Endpoint(name or f"vllm-{len(out)}", addr, int(port), role))
     names = [e.name for e in out]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate endpoint names: {names}")
@@ -96,7 +109,8 @@ def build_endpoints_file(endpoints: Sequence[Endpoint], engine: str = "vllm") ->
     """The document read by llm-d's ``file-discovery`` plugin."""
     return {
         "endpoints": [
-            {"name": e.name, "address": e.address, "port": str(e.port), "labels": {ENGINE_LABEL: engine}}
+            {"name": e.name, "address": e.address, "port": str(e.port),
+             "labels": {ENGINE_LABEL: engine, **({ROLE_LABEL: e.role} if e.role else {})}}
             for e in endpoints
         ]
     }
@@ -117,6 +131,16 @@ class KvEvents:
     block_size_tokens: int = 32  # the replicas' --block-size (moerl's replicas use 32)
 
 
+@dataclass(frozen=True)
+class Disagg:
+    """llm-d's prefill/decode scheduling (see the module doc)."""
+
+    # llm-d's prefix-based-pd-decider: prefill on a prefill replica when at least this many prompt
+    # tokens are not cached on the decode pick (a turn whose history the decode replica holds
+    # computes its few new tokens itself)
+    non_cached_tokens: int = 64
+
+
 def vllm_kv_events_config(events: KvEvents, replica: Endpoint, model: str) -> dict:
     """vLLM's ``--kv-events-config`` for `replica`: publish to the picker, topic ``kv@<address:port>@<model>``.
 
@@ -135,6 +159,7 @@ def build_epp_config(
     updating_metric: str = UPDATING_METRIC,
     affinity_headers: Sequence[str] = (AFFINITY_HEADER,),
     kv_events: KvEvents | None = None,
+    disagg: Disagg | None = None,
 ) -> dict:
     """The ``EndpointPickerConfig`` (llm-d.ai/v1alpha1) as a plain dict."""
     prefix_plugins = _prefix_plugins(block_size_tokens, kv_events)
@@ -144,7 +169,7 @@ def build_epp_config(
         "updatingAttribute": UPDATING_ATTRIBUTE,
         "affinityHeaders": list(affinity_headers),
     }
-    return _config(endpoints_path, watch_file, [
+    plugins = [
         _metrics_extractor([
             {"attributeKey": POLICY_VERSION_ATTRIBUTE, "metricSpec": policy_version_metric},
             {"attributeKey": UPDATING_ATTRIBUTE, "metricSpec": updating_metric},
@@ -152,7 +177,22 @@ def build_epp_config(
         *prefix_plugins,
         {"name": "paused-filter", "type": "moerl-paused-filter", "parameters": {"updatingAttribute": UPDATING_ATTRIBUTE}},
         {"name": "rl-scorer", "type": "moerl-rl-scorer", "parameters": scorer_params},
-    ], [{"pluginRef": "paused-filter"}, {"pluginRef": "rl-scorer", "weight": 1}])
+    ]
+    profile = [{"pluginRef": "paused-filter"}, {"pluginRef": "rl-scorer", "weight": 1}]
+    if disagg is None:
+        return _config(endpoints_path, watch_file, plugins, {"default": profile})
+    plugins += [
+        {"name": "prefill-filter", "type": "prefill-filter"},
+        {"name": "decode-filter", "type": "decode-filter"},
+        {"name": "pd-decider", "type": "prefix-based-pd-decider",
+         "parameters": {"nonCachedTokens": disagg.non_cached_tokens}},
+    ]
+    handler = {"name": "profile-handler", "type": "disagg-profile-handler",
+               "parameters": {"profiles": {"decode": "decode", "prefill": "prefill"},
+                              "deciders": {"prefill": "pd-decider"}}}
+    return _config(endpoints_path, watch_file, plugins, {"decode": [{"pluginRef": "decode-filter"}, *profile],
+                                                         "prefill": [{"pluginRef": "prefill-filter"}, *profile]},
+                   handler)
 
 
 def build_llmd_default_config(endpoints_path: str, *, block_size_tokens: int = 64, watch_file: bool = True) -> dict:
@@ -166,8 +206,9 @@ def build_llmd_default_config(endpoints_path: str, *, block_size_tokens: int = 6
         {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
         {"name": "prefix-cache-scorer", "type": "prefix-cache-scorer",
          "parameters": {"prefixMatchInfoProducerName": "prefix-producer"}},
-    ], [{"pluginRef": "queue-scorer", "weight": 2}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-        {"pluginRef": "prefix-cache-scorer", "weight": 3}])
+    ], {"default": [{"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3}]})
 
 
 def _metrics_extractor(custom_metrics: list[dict]) -> dict:
@@ -185,9 +226,11 @@ def _metrics_extractor(custom_metrics: list[dict]) -> dict:
     return {"name": "metrics-extractor", "type": "core-metrics-extractor", "parameters": {"engineConfigs": [engine]}}
 
 
-def _config(endpoints_path: str, watch_file: bool, plugins: list[dict], profile: list[dict]) -> dict:
-    """An EndpointPickerConfig: file discovery, one metrics source, `plugins`, and one profile of
-    `profile` then the max-score picker."""
+def _config(endpoints_path: str, watch_file: bool, plugins: list[dict], profiles: dict[str, list[dict]],
+            handler: dict | None = None) -> dict:
+    """An EndpointPickerConfig: file discovery, one metrics source, `plugins`, and each of `profiles`
+    (name -> its filters and scorers) then the max-score picker, chosen by `handler` (by default
+    llm-d's single-profile-handler)."""
     return {
         "apiVersion": "llm-d.ai/v1alpha1",
         "kind": "EndpointPickerConfig",
@@ -197,9 +240,10 @@ def _config(endpoints_path: str, watch_file: bool, plugins: list[dict], profile:
             {"name": "metrics-source", "type": "metrics-data-source"},
             *plugins,
             {"name": "picker", "type": "max-score-picker"},
-            {"name": "profile-handler", "type": "single-profile-handler"},
+            handler or {"name": "profile-handler", "type": "single-profile-handler"},
         ],
-        "schedulingProfiles": [{"name": "default", "plugins": [*profile, {"pluginRef": "picker"}]}],
+        "schedulingProfiles": [{"name": name, "plugins": [*profile, {"pluginRef": "picker"}]}
+                               for name, profile in profiles.items()],
         "dataLayer": {
             # our source/extractor replace llm-d's default pair (which lacks
             # the RL custom metrics); without this llm-d adds a second scraper
@@ -294,7 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI body of ``moerl router-config``."""
     ap = argparse.ArgumentParser(prog="moerl router-config", description=__doc__.splitlines()[0])
     ap.add_argument("--endpoints", action="append", required=True,
-                    help="[name=]host:port, comma separated or repeated")
+                    help="[name=]host:port, comma separated or repeated (the decode replicas with --prefill-endpoints)")
+    ap.add_argument("--prefill-endpoints", action="append", default=[],
+                    help="[name=]host:port of prefill replicas: llm-d's prefill/decode profiles (see above)")
+    ap.add_argument("--pd-non-cached-tokens", type=int, default=Disagg.non_cached_tokens,
+                    help="with --prefill-endpoints: prefill elsewhere when at least this many prompt tokens are "
+                         "not cached on the decode replica")
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     ap.add_argument("--scorer-params", default="{}",
                     help="JSON moerl-rl-scorer parameters, e.g. '{\"weights\": {\"prefix\": 4}}'")
@@ -313,11 +362,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kv_events and not args.model:
         ap.error("--kv-events needs --model (the served model name: it is part of each replica's event topic)")
     events = KvEvents(args.kv_events) if args.kv_events else None
-    endpoints = parse_endpoints(args.endpoints)
+    prefill = parse_endpoints(args.prefill_endpoints, "prefill") if args.prefill_endpoints else []
+    endpoints = parse_endpoints(args.endpoints, "decode" if prefill else "") + prefill
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        ap.error(f"duplicate endpoint names: {names}")
+    disagg = Disagg(args.pd_non_cached_tokens) if prefill else None
     cfg, eps = write(
         endpoints, args.out, params,
         block_size_tokens=args.block_size_tokens, watch_file=not args.no_watch,
         policy_version_metric=args.policy_version_metric, updating_metric=args.updating_metric, kv_events=events,
+        disagg=disagg,
     )
     print(f"wrote {cfg.resolve()} and {eps}")
     print("start the picker (router_ext/epp/picker/README.md builds moerl-epp):")

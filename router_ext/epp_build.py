@@ -1,7 +1,9 @@
-"""Build `moerl-epp` (llm-d's endpoint picker with moerl's plugins) and `fakeenvoy`, where llm-d resolves.
+"""Build `moerl-epp` (llm-d's endpoint picker with moerl's plugins), `fakeenvoy` and llm-d's
+`pd-sidecar`, where llm-d resolves.
 
 ``python -m router_ext.epp_build --out DIR`` (entry point: :func:`main`) writes
-``DIR/moerl-epp`` and ``DIR/fakeenvoy`` from ``router_ext/epp/picker``.
+``DIR/moerl-epp`` and ``DIR/fakeenvoy`` from ``router_ext/epp/picker``, and ``DIR/pd-sidecar``
+(llm-d's own prefill/decode proxy, unchanged) from llm-d's module.
 
 The picker needs ``github.com/llm-d/llm-d-router v0.10.0``. Where a Go module
 proxy serves that module, a plain build fetches it. Some proxies refuse it (403);
@@ -26,7 +28,7 @@ LLMD_MODULE = "github.com/llm-d/llm-d-router"
 LLMD_VERSION = "v0.10.0"
 LLMD_COMMIT = "71f4f0999f95b96c49a9d0c4afbd18dfdb943c26"
 PICKER = Path(__file__).resolve().parent / "epp" / "picker"
-BINARIES = {"moerl-epp": ".", "fakeenvoy": "./fakeenvoy"}
+BINARIES = {"moerl-epp": ".", "fakeenvoy": "./fakeenvoy", "pd-sidecar": f"{LLMD_MODULE}/cmd/pd-sidecar"}
 
 
 class Unresolvable(RuntimeError):
@@ -37,6 +39,7 @@ class Unresolvable(RuntimeError):
 class Built:
     epp: Path
     fakeenvoy: Path
+    sidecar: Path
     source: str  # "LLMD_ROUTER_SRC=<dir>" or "module proxy"
 
 
@@ -83,7 +86,7 @@ def resolve(work: Path, timeout_s: float = 300.0) -> tuple[Path, str]:
 
 
 def build(out: Path, timeout_s: float = 900.0) -> Built:
-    """Build both binaries into `out` (Go's build cache makes a warm rebuild take seconds)."""
+    """Build the binaries into `out` (Go's build cache makes a warm rebuild take seconds)."""
     out = out.resolve()
     modfile, source = resolve(out / "modfile")
     env = {**os.environ, "GOFLAGS": "-mod=mod"}
@@ -91,19 +94,19 @@ def build(out: Path, timeout_s: float = 900.0) -> Built:
         done = _go(["build", f"-modfile={modfile}", "-o", str(out / name), pkg], env, timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"go build {pkg} (llm-d from {source}) failed: {done.stderr.strip()[-2000:]}")
-    return Built(out / "moerl-epp", out / "fakeenvoy", source)
+    return Built(out / "moerl-epp", out / "fakeenvoy", out / "pd-sidecar", source)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m router_ext.epp_build", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="directory for moerl-epp and fakeenvoy")
+    ap.add_argument("--out", type=Path, required=True, help="directory for moerl-epp, fakeenvoy and pd-sidecar")
     args = ap.parse_args(argv)
     try:
         built = build(args.out)
     except Unresolvable as e:
         print(f"error: {e}")
         return 2
-    print(f"built {built.epp} and {built.fakeenvoy} (llm-d {LLMD_VERSION} from {built.source})")
+    print(f"built {built.epp}, {built.fakeenvoy} and {built.sidecar} (llm-d {LLMD_VERSION} from {built.source})")
     return 0
 
 

@@ -14,7 +14,8 @@ pool and computes every prompt itself (the reference). Checked, row for row:
   is no hit on B; once both are on v+1 and A pooled it again, it is a hit on B,
   and B's record equals C's;
 * prefill/decode disaggregation as `moerl rl` runs it (`rl_loop.disagg`, through
-  `generate_group`): A prefills, B decodes from the pool; single requests and a
+  `generate_group`): A prefills (started as a prefill replica: it answers once its KV is
+  pooled, `vllm_ext.prefill_handoff`), B decodes from the pool; single requests and a
   two-turn conversation give C's tokens and records, a prefill replica that is gone
   hands the prompt to the next one, and with none left B computes it itself;
 * with the master killed, B keeps serving by recomputing (also as a decode replica), its record is complete,
@@ -75,7 +76,8 @@ class Pool:
         self.replicas = {}
         for n in ("A", "B", "C"):
             port = free_port()
-            args, env = connector_args(self.pool, self.master.config_path, port) if n != "C" else (None, None)
+            role = "prefill" if n == "A" else "decode"
+            args, env = connector_args(self.pool, self.master.config_path, port, role) if n != "C" else (None, None)
             self.replicas[n] = start_replica(n, ckpt, port, tmp / "logs", extra=args, env=env, **common)
         wait_healthy(list(self.replicas.values()), timeout_s=600)
         self.base = {n: r.base_url for n, r in self.replicas.items()}
@@ -207,19 +209,24 @@ def disaggregated(pool, *prefill_urls: str) -> list[Replica]:
             + [Replica(name="d0", base_url=pool.base["B"], role="decode")])
 
 
-def play(pool, replicas: list[Replica], prompt: list[int], turns: int = 1) -> tuple[Conversation, dict]:
+def play(pool, replicas: list[Replica], prompt: list[int], turns: int = 1, pick=embedded_pick,
+         key: str = "group-0") -> tuple[Conversation, dict]:
     """A greedy conversation of `turns` model turns (environment tokens between them) through
-    `RolloutContext`, the path of `moerl rl`'s tasks; (conversation, counters)."""
+    `RolloutContext`, the path of `moerl rl`'s tasks, routed by `pick`; (conversation, counters)."""
 
     async def run():
-        async with replica_session() as session:
-            ctx = RolloutContext(session, replicas, embedded_pick, pool.model, None, 4, 0.0, 300.0)
-            conv = Conversation(prompt)
-            for t in range(turns):
-                if t:  # 30 environment tokens: each later turn completes one more block
-                    conv.append([(17 * t + 5 * i) % 500 + 3 for i in range(ENV_TOKENS)])
-                await ctx.turn(conv, "group-0", seed=0)
-            return conv, ctx.counters
+        try:
+            async with replica_session() as session:
+                ctx = RolloutContext(session, replicas, pick, pool.model, None, 4, 0.0, 300.0)
+                conv = Conversation(prompt)
+                for t in range(turns):
+                    if t:  # 30 environment tokens: each later turn completes one more block
+                        conv.append([(17 * t + 5 * i) % 500 + 3 for i in range(ENV_TOKENS)])
+                    await ctx.turn(conv, key, seed=0)
+                return conv, ctx.counters
+        finally:
+            if hasattr(pick, "close"):  # an llm-d router's channel belongs to this event loop
+                await pick.close()
 
     return asyncio.run(run())
 
@@ -281,7 +288,7 @@ def test_master_killed_replicas_recompute_then_hits_resume(pool):
     while metric(pool.base["B"], failures[0], **failures[1]) <= failed_before:
         assert time.time() < deadline, "no failed pool lookup counted with the master down"
         time.sleep(0.5)
-    # disaggregated: A's puts fail, the flush answers (nothing left queued) or times out, and B
+    # disaggregated: A's puts fail, its answer leaves once nothing is left queued (or at the timeout), and B
     # computes the prompt; the record is still the one C gives
     prompt = pool.prompt()
     conv, counters = play(pool, disaggregated(pool), prompt)

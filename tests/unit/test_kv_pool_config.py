@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from rl_loop.config import ConfigError, RLConfig
 from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
+from vllm_ext.prefill_handoff import PrefillHandoff
 
 
 def test_pool_without_managed_replicas_is_a_one_line_error(tmp_path):
@@ -38,6 +40,11 @@ def test_master_and_replicas_listen_where_the_config_says(tmp_path):
     other = json.loads(connector_args(pool, master.config_path, 8001)[0][1])
     assert kv["kv_connector_extra_config"]["lookup_rpc_port"] != other["kv_connector_extra_config"]["lookup_rpc_port"]
     assert env == {"MOONCAKE_CONFIG_PATH": str(master.config_path), "VLLM_HOST_IP": "127.0.0.1"}
+    # a prefill replica answers once its KV is pooled: vLLM's --middleware, an import path that resolves
+    assert "--middleware" not in args
+    prefill = connector_args(pool, master.config_path, 8002, "prefill")[0]
+    module, _, name = prefill[prefill.index("--middleware") + 1].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is PrefillHandoff
 
 
 def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
@@ -51,7 +58,7 @@ def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
         "inference.kv_pool": "mooncake", "inference.kv_pool_rpc_port": 9661, "inference.kv_pool_metrics_port": 9662,
         "run_dir": str(tmp_path / "run"), "inference.cpus": "", "train.cpus": ""})
     orch = Orchestrator(cfg)
-    extra, env = orch.start_kv_pool()(8000)
+    extra, env = orch.start_kv_pool()(8000, "decode")
     master = orch.kv_master
     try:
         assert master.metrics()["master_key_count"] == 0

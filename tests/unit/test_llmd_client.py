@@ -8,12 +8,17 @@ even where the end-to-end test (tests/integration/test_llmd_epp.py) does not run
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
+
 import pytest
 
 from rl_loop.config import ConfigError, RLConfig
 from rl_loop.llmd import (DESTINATION_HEADER, _replica_at, body_message, parse_answer, request_headers_message,
                           response_headers_message)
 from rl_loop.replicas import Replica
+from rl_loop.rollouts import generate_group
+from rl_loop.router import Route
 
 GO = {
     "headers_response": "0a520a50124c0a320a300a1e782d676174657761792d64657374696e6174696f6e2d656e64706f696e741a0e3132"
@@ -89,3 +94,28 @@ def test_an_unreachable_picker_is_one_clear_error_and_no_replica_is_blamed():
     with pytest.raises(PickerUnavailable, match=f"llm-d EPP at 127.0.0.1:{port}: UNAVAILABLE"):
         asyncio.run(run())
     assert replica.up
+
+
+class FakePdPicker:
+    """Stands in for llm-d's P/D profiles: routes every request to `destination` (by name) and records
+    the candidates it was offered."""
+
+    picks_prefill = True
+
+    def __init__(self, destination: str):
+        self.destination, self.offered = destination, []
+
+    @asynccontextmanager
+    async def route(self, candidates, key, body):
+        self.offered.append(sorted(r.name for r in candidates))
+        yield Route(next(r for r in candidates if r.name == self.destination))
+
+
+def test_a_picker_that_sends_a_group_to_a_prefill_replica_is_one_clear_error():
+    replicas = [Replica("p0", "http://127.0.0.1:8001", role="prefill"), Replica("d0", "http://127.0.0.1:8002",
+                                                                                 role="decode")]
+    picker = FakePdPicker("p0")
+    with pytest.raises(RuntimeError, match="to prefill replica p0 to sample: give llm-d's endpoints their roles"):
+        asyncio.run(generate_group(None, replicas, picker, "m", [1, 2, 3], "g", {}, n=1, max_tokens=1,
+                                   temperature=0.0, seed=0, timeout_s=1.0))
+    assert picker.offered == [["d0", "p0"]]  # the picker chooses among every replica, by role

@@ -87,14 +87,12 @@ def test_prefill_and_decode_replicas_replace_replicas_and_need_the_pool():
     assert c.replicas == 3
     assert replica_roles(c) == [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
     assert replica_roles(load().inference) == [("r0", "both"), ("r1", "both")]
+    assert load(*pd, 'inference.router="llmd"').inference.replicas == 3  # llm-d's P/D profiles pick both
     for bad, message in [
         (pd[:1] + pd[2:], "inference: inference.prefill_replicas = 1 and decode_replicas = 0: disaggregation needs "
                           "at least one of each (or 0 and 0)"),
         (pd[:2], "inference: inference.prefill_replicas hand the prompt's KV to the decode replicas through the "
                  "Mooncake pool: set inference.kv_pool = 'mooncake'"),
-        ((*pd, 'inference.router="llmd"'), "inference: inference.prefill_replicas: the embedded router picks prefill "
-                                           "and decode replicas; with router = 'llmd' run llm-d's own prefill/decode "
-                                           "profiles instead (docs/kv-pool.md)"),
     ]:
         with pytest.raises(ConfigError) as e:
             load(*bad)

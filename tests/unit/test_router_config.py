@@ -91,3 +91,29 @@ def test_llmd_default_profile_has_llm_ds_three_scorers_and_no_moerl_plugin(tmp_p
     profile = {p["pluginRef"]: p.get("weight") for p in cfg["schedulingProfiles"][0]["plugins"]}
     assert profile == {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix-cache-scorer": 3, "picker": None}
     assert types["prefix-producer"] == "approx-prefix-cache-producer"
+
+
+def test_prefill_endpoints_give_llm_d_its_prefill_and_decode_profiles(tmp_path, capsys):
+    rc = config.main(["--endpoints", "d0=127.0.0.1:18001", "--prefill-endpoints", "p0=127.0.0.1:18002",
+                      "--pd-non-cached-tokens", "96", "--out", str(tmp_path)])
+    assert rc == 0
+    eps = yaml.safe_load((tmp_path / "endpoints.yaml").read_text())["endpoints"]
+    assert {e["name"]: e["labels"]["llm-d.ai/role"] for e in eps} == {"d0": "decode", "p0": "prefill"}
+    cfg = yaml.safe_load((tmp_path / "epp-config.yaml").read_text())
+    plugins = {p["name"]: p for p in cfg["plugins"]}
+    handler = next(p for p in cfg["plugins"] if p["type"].endswith("profile-handler"))
+    assert handler["type"] == "disagg-profile-handler"
+    decider = plugins[handler["parameters"]["deciders"]["prefill"]]
+    assert decider == {"name": "pd-decider", "type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 96}}
+    profiles = {p["name"]: [plugins[r["pluginRef"]]["type"] for r in p["plugins"]] for p in cfg["schedulingProfiles"]}
+    assert set(profiles) == set(handler["parameters"]["profiles"].values()) == {"decode", "prefill"}
+    # each role's filter first, then moerl's filter and scorer, then the picker
+    assert profiles["decode"] == ["decode-filter", "moerl-paused-filter", "moerl-rl-scorer", "max-score-picker"]
+    assert profiles["prefill"] == ["prefill-filter", "moerl-paused-filter", "moerl-rl-scorer", "max-score-picker"]
+    # without prefill endpoints: no roles and llm-d's single profile, as before
+    config.main(["--endpoints", "r0=127.0.0.1:18001", "--out", str(tmp_path / "plain")])
+    assert "llm-d.ai/role" not in (tmp_path / "plain" / "endpoints.yaml").read_text()
+    with pytest.raises(SystemExit):
+        config.main(["--endpoints", "x=127.0.0.1:18001", "--prefill-endpoints", "x=127.0.0.1:18002", "--out",
+                     str(tmp_path / "dup")])
+    assert "duplicate endpoint names: ['x', 'x']" in capsys.readouterr().err
