@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patches.vllm_cpu_shm_reader_naps import ENV as SHM_NAP_ENV
+from vllm_ext.routing.handoff import sweep_dead_servers
 
 from . import placement
 from .shm_segments import group_segments, remove_unused
@@ -195,12 +196,14 @@ def stop_process_group(proc: subprocess.Popen | None, timeout_s: float, kill_wai
 
 def stop_replica(replica: Replica, timeout_s: float = 60.0) -> None:
     """Stop the server (if we started it) and remove the shared-memory segments it left, also
-    when it was killed before this."""
+    when it was killed before this: vLLM's, and the routing capture's of every server that is gone
+    (its marker is a plain file no process maps, which a killed server never unlinks)."""
     segments = set(replica.segments)
     if replica.process is not None and replica.process.poll() is None:
         segments |= group_segments(replica.process.pid)
     stop_process_group(replica.process, timeout_s, kill_wait_s=30)
     remove_unused(segments)
+    sweep_dead_servers()
 
 
 def served_model_name(replica: Replica) -> str:

@@ -17,10 +17,13 @@ pool and computes every prompt itself (the reference). Checked, row for row:
   `generate_group`): A prefills (started as a prefill replica: it answers once its KV is
   pooled, `vllm_ext.prefill_handoff`), B decodes from the pool; single requests and a
   two-turn conversation give C's tokens and records, a prefill replica that is gone
-  hands the prompt to the next one, and with none left B computes it itself;
+  hands the prompt to the next one, and with none left B computes it itself; the trainer's
+  replay of a disaggregated conversation reproduces B's logprobs at the floor C's own record gives;
+* a lost decode replica: the group goes to the next decode replica (`resent_groups`);
 * with the master killed, B keeps serving by recomputing (also as a decode replica), its record is complete,
   and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
   failed lookups; with the master back, pool hits resume;
+* A killed in the middle of a prefill hop: B computes the prompt (`prefill_skipped`), record C's;
 * nothing is left: no server process, no /dev/shm segment of these servers.
 """
 
@@ -32,6 +35,7 @@ import os
 import signal
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -255,6 +259,43 @@ def test_a_disaggregated_conversation_stitches_the_record_of_one_replica(pool):
     assert (conv.routing() == ref.routing()).all()
 
 
+def test_the_trainer_replays_a_disaggregated_conversation_at_the_floor_of_one_replica(pool):
+    """The stitched record of a conversation prefilled on A and decoded on B, replayed by the trainer
+    (`rl_step` with replay, titan_ext's model of the same checkpoint), reproduces B's logprobs as
+    closely as C's own record and logprobs are reproduced (the floor, measured here); the same record
+    one position late does not route alike."""
+    import torch
+
+    from rl_loop.batch import ModelShape, pack
+    from rl_loop.loss import LossConfig
+    from rl_loop.trainer import rl_step
+    from titan_ext.checkpoint import load_hf_checkpoint, read_arch
+
+    prompt = pool.prompt()
+    conv, _ = play(pool, disaggregated(pool), prompt, turns=2)
+    ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt, turns=2)
+    arch = read_arch(pool.ckpt, "qwen3_moe")
+    shape = ModelShape(len(arch.moe_layer_ids), arch.top_k, arch.num_experts)
+    model, _ = load_hf_checkpoint(pool.ckpt, "qwen3_moe")
+
+    def replayed(c: Conversation, shift: bool = False) -> dict:
+        sample = c.sample(1.0, 0)
+        sample.advantage = 0.5
+        batch, rejected = pack([sample], shape, pad_id=2)
+        assert not rejected
+        if shift:
+            batch.replay_ids[0] = torch.cat([batch.replay_ids[0][:1], batch.replay_ids[0][:-1]])
+        metrics = rl_step(model, batch, LossConfig(), replay=True)
+        model.zero_grad()
+        return metrics
+
+    floor, got = replayed(ref), replayed(conv)
+    print(f"replay k3 max: disaggregated {got['mismatch_k3_max']:.2e}, one replica {floor['mismatch_k3_max']:.2e}")
+    assert floor["router_disagreement"] == got["router_disagreement"] == 0.0
+    assert got["mismatch_k3_max"] <= max(2 * floor["mismatch_k3_max"], 1e-10), (got, floor)
+    assert replayed(conv, shift=True)["router_disagreement"] > 0.3
+
+
 def test_a_prefill_replica_that_is_gone_hands_the_prompt_to_the_next_then_to_decode(pool):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: what a killed replica answers
     prompt = pool.prompt()
@@ -272,6 +313,17 @@ def test_a_prefill_replica_that_is_gone_hands_the_prompt_to_the_next_then_to_dec
     assert hits(pool.base["B"]) == before
     ref, _ = play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)
     assert (conv.routing() == ref.routing()).all()
+
+
+def test_a_lost_decode_replica_sends_the_group_to_the_next(pool):
+    dead = Replica(name="d0", base_url=f"http://127.0.0.1:{free_port()}", role="decode")  # refuses: a lost replica
+    replicas = [Replica(name="p0", base_url=pool.base["A"], role="prefill"), dead,
+                Replica(name="d1", base_url=pool.base["B"], role="decode")]
+    key = next(k for k in (f"lost-{i}" for i in range(100)) if embedded_pick(replicas[1:], k).name == "d0")
+    prompt = pool.prompt()
+    conv, counters = play(pool, replicas, prompt, key=key)
+    assert counters["resent_groups"] == 1 and counters["prefills"] == 1
+    assert (conv.routing() == play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)[0].routing()).all()
 
 
 def test_master_killed_replicas_recompute_then_hits_resume(pool):
@@ -315,6 +367,21 @@ def test_master_killed_replicas_recompute_then_hits_resume(pool):
         assert time.time() < deadline, "B never read the restarted master's pool"
     assert got == BLOCKS * BLOCK
     assert rec_b == pool.generate("C", prompt)[1]
+
+
+def test_a_prefill_replica_killed_mid_request_leaves_the_prompt_to_decode(pool):
+    """A is stopped (SIGSTOP) so the prefill hop's request is in its socket unanswered, then killed: the
+    hop fails mid-request, A leaves the rotation, and B computes the prompt; the record is C's."""
+    group = os.getpgid(pool.replicas["A"].process.pid)
+    os.killpg(group, signal.SIGSTOP)
+    prompt = pool.prompt()
+    with ThreadPoolExecutor(1) as ex:
+        run = ex.submit(play, pool, disaggregated(pool), prompt)
+        time.sleep(2)  # the request sent and waiting on A
+        os.killpg(group, signal.SIGKILL)
+        conv, counters = run.result(timeout=300)
+    assert counters["prefill_skipped"] == 1 and not counters.get("prefills")
+    assert (conv.routing() == play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)[0].routing()).all()
 
 
 def test_nothing_is_left_behind(pool):
