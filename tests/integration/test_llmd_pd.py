@@ -14,6 +14,9 @@ tokens. Checked:
 * a three-turn conversation: each turn leaves more than a block uncached on B (the picker's
   prefix index holds what it sent there), so each is prefilled on A; the stitched record is C's;
 * a prompt B already holds: the decider names no prefill replica, B serves it from its own cache;
+* `moerl rl --config configs/tiny_kimi_k2_pd.toml` with ``inference.router = "llmd"`` against a
+  picker on that config: prompts prefilled where the picker says, no fall-back, no rejected
+  sample, k3 at the bf16 floor;
 * llm-d's ``pd-sidecar --kv-connector shared-storage`` in front of B (the path of gateway traffic):
   with the prefill header it makes the two hops itself and B's record, from the pool, is C's;
   without it the request goes straight to B.
@@ -25,46 +28,86 @@ LLMD_ROUTER_SRC), the module is reported "not run" with the reason and starts no
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import time
 import urllib.request
 
 import aiohttp
 import pytest
+import torch
 
 from router_ext.config import Disagg, EppPorts, epp_command, parse_endpoints, write
 from router_ext.epp_build import Unresolvable, build
 from rl_loop.llmd import PREFILL_HEADER, LlmdRouter
 from rl_loop.replicas import Replica
+from tests.conftest import ROOT, ulp
 from tests.integration.test_kv_pool import BLOCK, BLOCKS, PROMPT_LEN, Pool, hits, metric, play
 from tests.integration.test_llmd_epp import _stop
-from tests.ports import free_port
+from tests.integration.test_rl_faults import _records, _run_to_end
+from tests.ports import free_port, free_ports
+from titan_ext.tiny_assets import VOCAB_SIZE
 from vllm_ext.routing.record import decode_record_b64
 
 pytestmark = pytest.mark.slow
-# llm-d v0.10's approximate prefix index, which the prefill decider reads, counts whole blocks of at
-# least 64 tokens (it raises a smaller configured size to 64)
-LLMD_BLOCK = 64
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def binaries(tmp_path_factory):
+    try:
+        return build(tmp_path_factory.mktemp("bin"))
+    except Unresolvable as e:
+        pytest.skip(f"not run: {e}")
+
+
+def _start_epp(binaries, endpoints, out_dir, non_cached_tokens: int) -> tuple[subprocess.Popen, EppPorts]:
+    cfg, _ = write(endpoints, out_dir, block_size_tokens=BLOCK, disagg=Disagg(non_cached_tokens=non_cached_tokens))
+    ports = EppPorts(free_port(), free_port(), free_port())
+    return subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=ports),
+                            stdout=open(out_dir / "epp.log", "w"), stderr=subprocess.STDOUT), ports
+
+
+def test_moerl_rl_disaggregates_through_llmds_profiles(binaries, tmp_path):
+    """`moerl rl --config configs/tiny_kimi_k2_pd.toml --set inference.router="llmd"` against the picker:
+    prompts prefilled where the picker says, no fall-back, no sample rejected, both replicas at each
+    version together, k3 at the bf16 floor (as test_rl_disagg.py with the embedded router)."""
+    base = free_ports(2)  # moerl rl serves p0 on base, d0 on base + 1
+    endpoints = parse_endpoints([f"d0=127.0.0.1:{base + 1}"], "decode") + parse_endpoints([f"p0=127.0.0.1:{base}"],
+                                                                                          "prefill")
+    epp, ports = _start_epp(binaries, endpoints, tmp_path / "epp", BLOCK)
+    try:
+        rc, out = _run_to_end(tmp_path / "run", "--set", f"inference.base_port={base}", "--set", 'inference.router="llmd"',
+                              "--set", f"inference.llmd_address=127.0.0.1:{ports.grpc}",
+                              "--set", f"inference.kv_pool_rpc_port={free_port()}",
+                              "--set", f"inference.kv_pool_metrics_port={free_port()}", "--set", "train.steps=3",
+                              "--set", "train.checkpoint_interval=100", "--set", "rollout.max_off_policy_steps=0",
+                              "--set", "rollout.samples_per_prompt=4",
+                              config=str(ROOT / "configs" / "tiny_kimi_k2_pd.toml"))
+    finally:
+        _stop(epp)
+    assert rc == 0, out[-4000:] + (tmp_path / "epp" / "epp.log").read_text()[-2000:]
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert sum(r["prefills"] for r in records) > 0
+    for r in records:
+        assert (r["prefill_resent"], r["prefill_skipped"], r["flush_timeouts"]) == (0, 0, 0) and not r["rejected"], r
+    assert [r["replica_versions"] for r in records] == [{"p0": s, "d0": s} for s in (1, 2, 3)]
+    floor = (2 * ulp(torch.bfloat16, math.log(VOCAB_SIZE))) ** 2 / 2  # as test_rl_disagg.py
+    assert all(r["k3_mean"] <= floor for r in records), (floor, [r["k3_mean"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def stack(binaries, tmp_path_factory):
     from rl_loop.tiny_models import make_tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("llmd_pd")
-    try:
-        binaries = build(tmp / "bin")
-    except Unresolvable as e:
-        pytest.skip(f"not run: {e}")
     pool = Pool(make_tiny_checkpoint("qwen3_moe", tmp / "ckpt", dtype="float32", init_scale=0.2), tmp)
     procs: list[subprocess.Popen] = []
     try:
         a, b = (pool.base[n].rpartition(":")[2] for n in "AB")
         endpoints = parse_endpoints([f"d0=127.0.0.1:{b}"], "decode") + parse_endpoints([f"p0=127.0.0.1:{a}"], "prefill")
-        cfg, _ = write(endpoints, tmp / "epp", block_size_tokens=BLOCK, disagg=Disagg(non_cached_tokens=BLOCK))
-        ports = EppPorts(free_port(), free_port(), free_port())
-        procs.append(subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=ports),
-                                      stdout=open(tmp / "epp.log", "w"), stderr=subprocess.STDOUT))
+        epp, ports = _start_epp(binaries, endpoints, tmp / "epp", BLOCK)
+        procs.append(epp)
         sidecar_port = free_port()
         procs.append(subprocess.Popen([str(binaries.sidecar), "--port", str(sidecar_port), "--model-server-port", b,
                                        "--kv-connector", "shared-storage", "--secure-proxy=false"],
@@ -79,8 +122,8 @@ def stack(tmp_path_factory):
                 urllib.request.urlopen(f"http://127.0.0.1:{sidecar_port}/health", timeout=5).read()
                 break
             except Exception as e:  # noqa: BLE001 - not up yet; said if it never is
-                assert all(p.poll() is None for p in procs), (tmp / "epp.log").read_text()[-3000:]
-                assert time.time() < deadline, f"{e!r}\n" + (tmp / "epp.log").read_text()[-3000:]
+                assert all(p.poll() is None for p in procs), (tmp / "epp" / "epp.log").read_text()[-3000:]
+                assert time.time() < deadline, f"{e!r}\n" + (tmp / "epp" / "epp.log").read_text()[-3000:]
                 time.sleep(0.5)
         yield {"pool": pool, "replicas": replicas, "router": router, "sidecar": f"http://127.0.0.1:{sidecar_port}"}
     finally:
@@ -110,8 +153,9 @@ def test_a_conversation_through_llmds_profiles_stitches_one_replicas_record(stac
     prompt = pool.prompt()
     before = hits(pool.base["B"])
     conv, counters = play(pool, stack["replicas"], prompt, turns=3, pick=stack["router"], key="conversation")
-    # turns 2 and 3 (134 and 168 tokens) leave 70 and 40 tokens past the whole 64-token blocks the picker
-    # sent B before: each more than a block of uncached tokens, so each is prefilled on A
+    # turns 2 and 3 (134 and 168 tokens) leave 38 and 40 tokens past the whole blocks the picker sent B
+    # before (the decider's index, which llm-d creates for it, takes the replicas' block size, 32):
+    # each more than a block uncached, so each is prefilled on A
     assert counters["prefills"] == 3 and not counters.get("prefill_skipped")
     assert hits(pool.base["B"]) - before == (BLOCKS + 2) * BLOCK
     ref = _reference(pool, prompt, turns=3)
@@ -121,7 +165,7 @@ def test_a_conversation_through_llmds_profiles_stitches_one_replicas_record(stac
 
 def test_a_prompt_the_decode_replica_holds_is_not_prefilled(stack):
     pool = stack["pool"]
-    prompt = pool.prompt() + list(range(3, 3 + 2 * LLMD_BLOCK - PROMPT_LEN))  # two whole blocks of the index
+    prompt = pool.prompt() + list(range(3, 3 + 4 * BLOCK - PROMPT_LEN))  # whole blocks only
     play(pool, stack["replicas"], prompt, pick=stack["router"], key="again")
     prefilled = metric(pool.base["A"], "vllm:prompt_tokens_total")
     conv, counters = play(pool, stack["replicas"], prompt, pick=stack["router"], key="again")

