@@ -10,6 +10,7 @@ import pytest
 
 from rl_loop.config import ConfigError, RLConfig
 from rl_loop.kv_pool import MooncakeMaster, MooncakePool, connector_args
+from tests.ports import free_port
 from vllm_ext.prefill_handoff import PrefillHandoff
 
 
@@ -54,17 +55,19 @@ def test_orchestrator_owns_a_real_master_on_loopback(tmp_path):
 
     from rl_loop.orchestrator import Orchestrator
 
+    rpc, metrics = free_port(), free_port()
     cfg = RLConfig.from_toml(Path(__file__).resolve().parents[2] / "configs" / "tiny_kimi_k2.toml", {
-        "inference.kv_pool": "mooncake", "inference.kv_pool_rpc_port": 9661, "inference.kv_pool_metrics_port": 9662,
+        "inference.kv_pool": "mooncake", "inference.kv_pool_rpc_port": rpc, "inference.kv_pool_metrics_port": metrics,
         "run_dir": str(tmp_path / "run"), "inference.cpus": "", "train.cpus": ""})
     orch = Orchestrator(cfg)
-    extra, env = orch.start_kv_pool()(8000, "decode")
+    kv_args = orch.start_kv_pool()
     master = orch.kv_master
     try:
+        extra, env = kv_args(8000, "decode")
         assert master.metrics()["master_key_count"] == 0
         listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(master.process.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN}
-        assert listening == {("127.0.0.1", 9661), ("127.0.0.1", 9662)}
+        assert listening == {("127.0.0.1", rpc), ("127.0.0.1", metrics)}
         assert env["MOONCAKE_CONFIG_PATH"] == str(tmp_path / "run" / "kv_pool" / "mooncake.json")
     finally:
         master.stop()
