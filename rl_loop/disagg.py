@@ -23,10 +23,9 @@ prefill replica that fails is taken out of rotation and the prompt is prefilled 
 (`prefill_resent`; under llm-d the decode replica computes it, and the picker, which scrapes
 the replicas, stops choosing the dead one); with none left, or a hand-over that times out (the
 store slow or gone), the decode replica computes what the pool lacks (`prefill_skipped`,
-`flush_timeouts`). Policy
-versions keep KV of old weights from new ones: pool keys carry the version of the weights that
-computed them, and a weight update moves prefill and decode replicas together (they are all
-replicas of the run).
+`flush_timeouts`). Policy versions keep KV of old weights from new ones: pool keys carry the
+version of the weights that computed them, and a weight update moves prefill and decode
+replicas together (they are all replicas of the run).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from vllm_ext.prefill_handoff import FLUSH_TIMEOUT_S, HEADER
 from .kv_pool import PREFILL_MIDDLEWARE
 from .replicas import Replica
 from .report import log
-from .router import Route, as_router
+from .router import Router
 
 
 def replica_roles(c) -> list[tuple[str, str]]:
@@ -53,8 +52,8 @@ def replica_roles(c) -> list[tuple[str, str]]:
 
 
 def disagg_metrics(counters: dict) -> dict:
-    """A step's prefill/decode figures for metrics.jsonl: prompts prefilled, their mean time (prefill
-    and flush), and the fall-backs."""
+    """A step's prefill/decode figures for metrics.jsonl: prompts prefilled, their mean time (until
+    their KV was pooled), and the fall-backs."""
     n = counters.get("prefills", 0)
     return {"prefills": n, "prefill_s_mean": round(counters.get("prefill_s", 0.0) / n, 4) if n else None,
             **{k: counters.get(k, 0) for k in ("prefill_resent", "prefill_skipped", "flush_timeouts")}}
@@ -70,7 +69,7 @@ def serving_replicas(replicas: list[Replica]) -> list[Replica]:
 
 
 async def prefill_on(session: aiohttp.ClientSession, replica: Replica, body: dict, key: str, counters: dict,
-                     timeout_s: float, route: Route | None = None) -> bool:
+                     timeout_s: float) -> bool:
     """`body`'s prompt computed on the prefill `replica` and held there until its KV is in the pool
     (`vllm_ext.prefill_handoff`). False, with the replica out of rotation, when it could not."""
     half = {**body, "n": 1, "max_tokens": 1, "logprobs": None, "routed_experts_prompt_start": len(body["prompt"])}
@@ -80,8 +79,6 @@ async def prefill_on(session: aiohttp.ClientSession, replica: Replica, body: dic
         async with session.post(replica.base_url + "/v1/completions", json=half,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s + FLUSH_TIMEOUT_S)) as resp:
             raw = await resp.read()
-            if route is not None:
-                route.answered(resp.status, raw)
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {raw.decode(errors='replace')[:500]}")
             pooled = resp.headers.get(HEADER, "")
@@ -101,11 +98,11 @@ async def prefill_on(session: aiohttp.ClientSession, replica: Replica, body: dic
     return True
 
 
-async def prefill(session: aiohttp.ClientSession, replicas: list[Replica], pick, body: dict, key: str,
+async def prefill(session: aiohttp.ClientSession, replicas: list[Replica], router: Router, body: dict, key: str,
                   counters: dict, timeout_s: float) -> Replica | None:
-    """The first half of a disaggregated request under the embedded router: a prefill replica picked
-    for `key`, the next one when it fails. Returns the replica, or None when none could (counted)."""
-    router = as_router(pick)
+    """The first half of a disaggregated request under a router that does not pick the prefill replica
+    (the embedded one): a prefill replica `router` picks for `key`, the next one when it fails.
+    Returns the replica, or None when none could (counted)."""
     tried: set[str] = set()
     while True:
         candidates = [r for r in prefill_replicas(replicas) if r.up and r.name not in tried]
@@ -113,7 +110,7 @@ async def prefill(session: aiohttp.ClientSession, replicas: list[Replica], pick,
             counters["prefill_skipped"] = counters.get("prefill_skipped", 0) + 1
             return None
         async with router.route(candidates, key, body) as route:
-            if await prefill_on(session, route.replica, body, key, counters, timeout_s, route):
+            if await prefill_on(session, route.replica, body, key, counters, timeout_s):
                 return route.replica
             tried.add(route.replica.name)
             counters["prefill_resent"] = counters.get("prefill_resent", 0) + 1

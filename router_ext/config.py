@@ -82,8 +82,8 @@ def parse_endpoints(specs: Iterable[str], role: str = "") -> list[Endpoint]:
     """Parse ``[name=]host:port`` items (comma lists allowed).
 
     Hostnames are resolved to IPv4 here because llm-d's file discovery
-    accepts only literal IPv4 addresses. Names default to ``vllm-<i>``; they
-    are what the scorer hashes for group affinity, so keep them stable.
+    accepts only literal IPv4 addresses. Names default to ``vllm-<i>`` (``<role>-<i>``
+    with a role); they are what the scorer hashes for group affinity, so keep them stable.
     """
     out: list[Endpoint] = []
     for spec in specs:
@@ -96,13 +96,18 @@ def parse_endpoints(specs: Iterable[str], role: str = "") -> list[Endpoint]:
                 addr = str(ipaddress.IPv4Address(host))
             except ValueError:
                 addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-            out.append(Endpoint(name or f"vllm-{len(out)}", addr, int(port), role))
-    names = [e.name for e in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate endpoint names: {names}")
+            out.append(Endpoint(name or f"{role or 'vllm'}-{len(out)}", addr, int(port), role))
     if not out:
         raise ValueError("no endpoints given")
-    return out
+    return _unique_names(out)
+
+
+def _unique_names(endpoints: list[Endpoint]) -> list[Endpoint]:
+    """`endpoints`, or ValueError when two share a name (the scorer tells replicas apart by name)."""
+    names = [e.name for e in endpoints]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate endpoint names: {names}")
+    return endpoints
 
 
 def build_endpoints_file(endpoints: Sequence[Endpoint], engine: str = "vllm") -> dict:
@@ -362,11 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kv_events and not args.model:
         ap.error("--kv-events needs --model (the served model name: it is part of each replica's event topic)")
     events = KvEvents(args.kv_events) if args.kv_events else None
-    prefill = parse_endpoints(args.prefill_endpoints, "prefill") if args.prefill_endpoints else []
-    endpoints = parse_endpoints(args.endpoints, "decode" if prefill else "") + prefill
-    names = [e.name for e in endpoints]
-    if len(set(names)) != len(names):
-        ap.error(f"duplicate endpoint names: {names}")
+    try:
+        prefill = parse_endpoints(args.prefill_endpoints, "prefill") if args.prefill_endpoints else []
+        endpoints = _unique_names(parse_endpoints(args.endpoints, "decode" if prefill else "") + prefill)
+    except ValueError as e:
+        ap.error(str(e))
     disagg = Disagg(args.pd_non_cached_tokens) if prefill else None
     cfg, eps = write(
         endpoints, args.out, params,

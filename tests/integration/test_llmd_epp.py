@@ -98,6 +98,15 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def start_epp(binaries, endpoints, out_dir, **write_kw) -> tuple[subprocess.Popen, EppPorts]:
+    """`moerl-epp` on the config `moerl router-config` writes for `endpoints` into `out_dir` (`write_kw`:
+    `write`'s options), on free ports, logging to `out_dir`/epp.log."""
+    cfg, _ = write(endpoints, out_dir, **write_kw)
+    ports = EppPorts(free_port(), free_port(), free_port())
+    return subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=ports),
+                            stdout=open(out_dir / "epp.log", "w"), stderr=subprocess.STDOUT), ports
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_checkpoint):
     tmp = tmp_path_factory.mktemp("llmd")
@@ -112,21 +121,20 @@ def stack(tmp_path_factory, tiny_checkpoint):
     procs: list[subprocess.Popen] = []
     try:
         wait_healthy(replicas, timeout_s=600)
-        cfg, _ = write(parse_endpoints([f"{n}=127.0.0.1:{p}" for n, p in zip(NAMES, ports)]), tmp / "epp")
-        epp_ports = EppPorts(free_port(), free_port(), free_port())
-        cmd = epp_command(cfg, binary=str(binaries.epp), ports=epp_ports)
-        procs.append(subprocess.Popen(cmd, stdout=open(tmp / "epp.log", "w"), stderr=subprocess.STDOUT))
+        epp, epp_ports = start_epp(binaries, parse_endpoints([f"{n}=127.0.0.1:{p}" for n, p in zip(NAMES, ports)]),
+                                   tmp / "epp")
+        procs.append(epp)
         envoy_port = free_port()
         procs.append(subprocess.Popen([str(binaries.fakeenvoy), "-listen", f"127.0.0.1:{envoy_port}",
                                        "-epp", f"127.0.0.1:{epp_ports.grpc}"],
                                       stdout=open(tmp / "fakeenvoy.log", "w"), stderr=subprocess.STDOUT))
         stack = {"replicas": dict(zip(NAMES, replicas)), "model": served_model_name(replicas[0]),
                  "envoy": f"http://127.0.0.1:{envoy_port}", "grpc": f"127.0.0.1:{epp_ports.grpc}",
-                 "endpoint_name": {f"127.0.0.1:{p}": n for n, p in zip(NAMES, ports)}, "log": tmp / "epp.log"}
+                 "endpoint_name": {f"127.0.0.1:{p}": n for n, p in zip(NAMES, ports)}, "log": tmp / "epp" / "epp.log"}
         deadline = time.time() + 60
         while asyncio.run(_send(stack, [("warm-up", None)]))[0][0] != 200:  # picker up and endpoints scraped
-            assert all(p.poll() is None for p in procs), (tmp / "epp.log").read_text()[-3000:]
-            assert time.time() < deadline, (tmp / "epp.log").read_text()[-3000:]
+            assert all(p.poll() is None for p in procs), stack["log"].read_text()[-3000:]
+            assert time.time() < deadline, stack["log"].read_text()[-3000:]
             time.sleep(0.2)
         yield stack
     finally:

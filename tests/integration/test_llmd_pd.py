@@ -37,13 +37,13 @@ import aiohttp
 import pytest
 import torch
 
-from router_ext.config import Disagg, EppPorts, epp_command, parse_endpoints, write
+from router_ext.config import Disagg, parse_endpoints
 from router_ext.epp_build import Unresolvable, build
 from rl_loop.llmd import PREFILL_HEADER, LlmdRouter
 from rl_loop.replicas import Replica
 from tests.conftest import ROOT, ulp
 from tests.integration.test_kv_pool import BLOCK, BLOCKS, PROMPT_LEN, Pool, hits, metric, play
-from tests.integration.test_llmd_epp import _stop
+from tests.integration.test_llmd_epp import _stop, start_epp
 from tests.integration.test_rl_faults import _records, _run_to_end
 from tests.ports import free_port, free_ports
 from titan_ext.tiny_assets import VOCAB_SIZE
@@ -60,13 +60,6 @@ def binaries(tmp_path_factory):
         pytest.skip(f"not run: {e}")
 
 
-def _start_epp(binaries, endpoints, out_dir, non_cached_tokens: int) -> tuple[subprocess.Popen, EppPorts]:
-    cfg, _ = write(endpoints, out_dir, block_size_tokens=BLOCK, disagg=Disagg(non_cached_tokens=non_cached_tokens))
-    ports = EppPorts(free_port(), free_port(), free_port())
-    return subprocess.Popen(epp_command(cfg, binary=str(binaries.epp), ports=ports),
-                            stdout=open(out_dir / "epp.log", "w"), stderr=subprocess.STDOUT), ports
-
-
 def test_moerl_rl_disaggregates_through_llmds_profiles(binaries, tmp_path):
     """`moerl rl --config configs/tiny_kimi_k2_pd.toml --set inference.router="llmd"` against the picker:
     prompts prefilled where the picker says, no fall-back, no sample rejected, both replicas at each
@@ -74,7 +67,8 @@ def test_moerl_rl_disaggregates_through_llmds_profiles(binaries, tmp_path):
     base = free_ports(2)  # moerl rl serves p0 on base, d0 on base + 1
     endpoints = parse_endpoints([f"d0=127.0.0.1:{base + 1}"], "decode") + parse_endpoints([f"p0=127.0.0.1:{base}"],
                                                                                           "prefill")
-    epp, ports = _start_epp(binaries, endpoints, tmp_path / "epp", BLOCK)
+    epp, ports = start_epp(binaries, endpoints, tmp_path / "epp", block_size_tokens=BLOCK,
+                           disagg=Disagg(non_cached_tokens=BLOCK))
     try:
         rc, out = _run_to_end(tmp_path / "run", "--set", f"inference.base_port={base}", "--set", 'inference.router="llmd"',
                               "--set", f"inference.llmd_address=127.0.0.1:{ports.grpc}",
@@ -106,7 +100,8 @@ def stack(binaries, tmp_path_factory):
     try:
         a, b = (pool.base[n].rpartition(":")[2] for n in "AB")
         endpoints = parse_endpoints([f"d0=127.0.0.1:{b}"], "decode") + parse_endpoints([f"p0=127.0.0.1:{a}"], "prefill")
-        epp, ports = _start_epp(binaries, endpoints, tmp / "epp", BLOCK)
+        epp, ports = start_epp(binaries, endpoints, tmp / "epp", block_size_tokens=BLOCK,
+                               disagg=Disagg(non_cached_tokens=BLOCK))
         procs.append(epp)
         sidecar_port = free_port()
         procs.append(subprocess.Popen([str(binaries.sidecar), "--port", str(sidecar_port), "--model-server-port", b,

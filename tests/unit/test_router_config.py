@@ -117,3 +117,6 @@ def test_prefill_endpoints_give_llm_d_its_prefill_and_decode_profiles(tmp_path, 
         config.main(["--endpoints", "x=127.0.0.1:18001", "--prefill-endpoints", "x=127.0.0.1:18002", "--out",
                      str(tmp_path / "dup")])
     assert "duplicate endpoint names: ['x', 'x']" in capsys.readouterr().err
+    # unnamed endpoints are named by role, so decode and prefill ones never collide
+    assert [e.name for e in config.parse_endpoints(["127.0.0.1:1", "127.0.0.1:2"], "prefill")] == ["prefill-0",
+                                                                                                  "prefill-1"]
