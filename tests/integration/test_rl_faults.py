@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from rl_loop.shm_segments import group_segments
-from tests.conftest import ROOT
+from tests.conftest import ROOT, UNPINNED
 from tests.ports import free_ports
 from vllm_ext.routing.handoff import server_segments
 from vllm_ext.transport.shm import PREFIX, SHM_DIR
@@ -34,7 +34,7 @@ def _moerl_rl(run_dir: Path, *extra: str, port: int | None = None, config: str =
     """`moerl rl` on the tiny config (or `config`); its replicas serve on `port` + i (default: free ports)."""
     port = free_ports(2) if port is None else port
     cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", config, "--set", f"run_dir={run_dir}",
-           "--set", f"inference.base_port={port}", "--set", "rollout.prompts_per_step=4", *extra]
+           "--set", f"inference.base_port={port}", "--set", "rollout.prompts_per_step=4", *UNPINNED, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

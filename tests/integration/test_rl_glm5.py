@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, UNPINNED
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def _moerl_rl(run_dir, *extra: str, port: int) -> list[dict]:
            "--set", f"run_dir={run_dir}", "--set", "inference.replicas=1", "--set", f"inference.base_port={port}",
            "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4",
            "--set", "rollout.max_off_policy_steps=0", "--set", "model.inference_dtype=float32",
-           "--set", "train.checkpoint_interval=1", *extra]
+           "--set", "train.checkpoint_interval=1", *UNPINNED, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

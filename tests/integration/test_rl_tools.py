@@ -39,7 +39,7 @@ from rl_loop.tasks.vf_lookup import lookup
 from rl_loop.tools.parsing import ToolCallParser
 from rl_loop.tools.sandbox import SandboxLimits
 from rl_loop.trainer import rl_step
-from tests.conftest import ROOT, mask_spans, reference_record
+from tests.conftest import ROOT, UNPINNED, mask_spans, reference_record
 from tests.ports import free_port
 from titan_ext.checkpoint import load_hf_checkpoint, read_arch
 
@@ -182,7 +182,7 @@ def short_run(checkpoint, server, tmp_path_factory):
     cmd = [sys.executable, "-m", "rl_loop", "rl", "--config", str(ROOT / "configs" / "tiny_kimi_k2_tools.toml"),
            "--set", f"run_dir={run_dir}", "--set", f"model.checkpoint={checkpoint}", "--set", "inference.replicas=0",
            "--set", f'inference.endpoints=["{server[0].base_url}"]', "--set", "model.inference_dtype=float32",
-           "--set", "train.steps=2",
+           "--set", "train.steps=2", *UNPINNED,
            "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
