@@ -21,9 +21,7 @@ from titan_ext.models import get_arch, spec_from_arch
 from titan_ext.models.block_fp8 import BlockFp8Config
 from titan_ext.parity import REFERENCE_DEQUANTIZED
 
-from tests.conftest import ROOT, VENV_BIN
-
-MOERL = VENV_BIN / "moerl"
+from tests.conftest import ROOT, run_moerl
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +33,8 @@ def published(tmp_path_factory):
     def make(arch: str) -> Path:
         out = base / arch
         if not (out / "moerl_tiny.json").exists():
-            run = subprocess.run([str(MOERL), "make-tiny-checkpoint", "--arch", arch, "--out", str(out),
-                                  "--init-scale", "0.1", "--block-fp8", "--shards", "2",
-                                  *(["--mtp"] if arch == "glm5" else [])],
-                                 capture_output=True, text=True, timeout=600, cwd=ROOT)
+            run = run_moerl("make-tiny-checkpoint", "--arch", arch, "--out", str(out), "--init-scale", "0.1",
+                            "--block-fp8", "--shards", "2", *(["--mtp"] if arch == "glm5" else []))
             assert run.returncode == 0, run.stderr[-3000:]
         return out
 
@@ -55,8 +51,7 @@ def test_parity_on_published_layout(published, arch, cut):
     # a weight of two or more row blocks whose last block is cut (576 = 4.5 x 128, 192 = 1.5 x 128)
     assert tensors[cut].dtype == "F8_E4M3" and tensors[cut].shape[0] % 128 and tensors[cut].shape[0] > 128
     seq_len = 4 * get_arch(arch, "tiny").index_topk if arch == "glm5" else 64  # GLM-5: sparse attention at work
-    run = subprocess.run([str(MOERL), "check-parity", "--hf-checkpoint", str(ckpt),
-                          "--model", arch, "--seq-len", str(seq_len), "--json"], capture_output=True, text=True)
+    run = run_moerl("check-parity", "--hf-checkpoint", str(ckpt), "--model", arch, "--seq-len", str(seq_len), "--json")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["passed"] and report["max_abs_logit_diff"] <= 1e-4 and report["argmax_agreement"] == 1.0

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import run_moerl
 from titan_ext.checkpoint import export_hf_checkpoint, load_hf_checkpoint, model_of_checkpoint
 from titan_ext.models.qwen3_moe import FLAVORS, Qwen3MoEArch
 from titan_ext.replay import moe_routers, replay_routing
 
 
 def _check_parity(ckpt, *args):
-    out = subprocess.run([sys.executable, "-m", "rl_loop", "check-parity", "--hf-checkpoint", str(ckpt),
-                          "--model", "qwen3_moe", "--json", *args], capture_output=True, text=True)
+    out = run_moerl("check-parity", "--hf-checkpoint", str(ckpt), "--model", "qwen3_moe", "--json", *args)
     return out.returncode, (json.loads(out.stdout) if out.returncode in (0, 1) else out.stderr)
 
 

@@ -9,15 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import run_moerl
 from titan_ext.checkpoint import export_hf_checkpoint, load_hf_checkpoint
 from titan_ext.models.state_dict_adapter import CheckpointMismatchError
 
 
 def _check_parity(ckpt, model, *extra):
-    out = subprocess.run(
-        [sys.executable, "-m", "rl_loop", "check-parity", "--hf-checkpoint", str(ckpt), "--model", model, "--json", *extra],
-        capture_output=True, text=True,
-    )
+    out = run_moerl("check-parity", "--hf-checkpoint", str(ckpt), "--model", model, "--json", *extra)
     return out.returncode, json.loads(out.stdout) if out.stdout.strip().startswith("{") else out.stderr
 
 

@@ -1,6 +1,6 @@
 """Cases: the Triton block-fp8 quantizer (`block_fp8_triton.py`) against the torch one.
 
-Not collected on its own: `test_block_fp8.py` runs this file under Triton's interpreter on CPU
+Not collected on its own: `test_triton_interpreter.py` runs this file under Triton's interpreter on CPU
 (fresh process), `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py`); the torch quantizer
 runs on the CPU. Scales must be equal bit for bit (both divide with IEEE rounding: `div_rn` in the
 kernel). fp8 values too on the GPU (round-to-nearest-even, saturated, as torch); under the

@@ -1,6 +1,6 @@
 """Cases: the context-parallel Triton paths against the torch paths they replace on CUDA.
 
-Not collected on its own: `test_cp_triton.py` runs this file under Triton's interpreter on CPU
+Not collected on its own: `test_triton_interpreter.py` runs this file under Triton's interpreter on CPU
 (fresh process), `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py`), fp32 against the torch
 paths on the CPU, with the bounds `sparse_mla_kernel_cases.py` explains. A rank's queries sit at
 head-tail positions of a longer sequence whose keys are all present, as under CP=2.

@@ -1,6 +1,6 @@
 """Cases: the Triton fp8 quantisation kernels (`fp8_quant.py`) against their torch formulation.
 
-Not collected on its own: `test_fp8_experts.py` runs this file under Triton's interpreter on CPU
+Not collected on its own: `test_triton_interpreter.py` runs this file under Triton's interpreter on CPU
 (fresh process: the interpreter must be on before Triton is first imported), `benchmarks.gpu_check`
 on a CUDA GPU (`kernel_device.py`); the torch formulation runs on the CPU.
 

@@ -22,7 +22,7 @@ from tests.conftest import ulp
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HOW_TO_RUN = ("run a kernel case file either under Triton's interpreter (TRITON_INTERPRET=1 from the start, as "
-              "tests/unit/test_*.py do through tests.conftest.run_interpreted_cases) or on a CUDA GPU: "
+              "tests/unit/test_triton_interpreter.py does) or on a CUDA GPU: "
               "TRITON_F32_DEFAULT=ieee python -m pytest -q -p no:cacheprovider tests/unit/<name>_kernel_cases.py "
               "(benchmarks.gpu_check runs them all)")
 

@@ -2,7 +2,7 @@
 and combine forward, the combine backward) pass the lean-vs-TorchTitan parity test of
 `test_gpu_paths.py`, which runs on CPU with the torch formulations.
 
-Not collected on its own: `test_gpu_paths.py` runs this file under Triton's interpreter on CPU
+Not collected on its own: `test_triton_interpreter.py` runs this file under Triton's interpreter on CPU
 (fresh process), `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py`). TorchTitan's dispatch
 (the reference) runs on the CPU, the lean block on DEVICE, in fp32: on the GPU its expert matmuls
 are cuBLAS fp32 (no TF32 by default) and the kernels accumulate in fp32, so the parity test's 1e-5

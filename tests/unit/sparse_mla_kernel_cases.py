@@ -1,6 +1,6 @@
 """Cases: the Triton sparse latent attention (DSA) against the torch path it replaces on CUDA.
 
-Not collected on its own: `test_sparse_mla_triton.py` runs this file under Triton's interpreter
+Not collected on its own: `test_triton_interpreter.py` runs this file under Triton's interpreter
 on CPU (in a fresh process: the interpreter must be on before Triton is first imported), and
 `benchmarks.gpu_check` on a CUDA GPU (`kernel_device.py` picks the device). fp32 throughout,
 on CPU-made inputs, against the torch path on the CPU: the interpreter's bf16 matmuls are wrong

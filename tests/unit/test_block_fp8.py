@@ -15,9 +15,7 @@ from titan_ext.checkpoint import checkpoint_quantization, export_hf_checkpoint, 
 from titan_ext.models.block_fp8 import (
     FP8, SCALE_SUFFIX, BlockFp8Config, BlockFp8Error, dequantize, quantize, quantize_torch, scale_shape)
 from titan_ext.weights import hf_metadata, iter_hf_weights
-from tests.conftest import run_interpreted_cases
 
-HERE = Path(__file__).parent
 
 
 def _per_block(w: torch.Tensor, block=(128, 128)):
@@ -228,7 +226,3 @@ def test_fp8_weights_without_quantization_config_are_refused(fp8_export, tmp_pat
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(BlockFp8Error, match="is fp8 but config.json has no block-fp8 quantization_config"):
         load_hf_checkpoint(bad, "kimi_k2")
-
-
-def test_triton_block_quant_kernel_matches_torch_under_the_interpreter():
-    run_interpreted_cases(HERE / "block_fp8_kernel_cases.py", 2)

@@ -1,12 +1,12 @@
 import json
-import subprocess
-import sys
 
+from tests.conftest import run_moerl
 from titan_ext.info import model_info
 
 
 def _moerl(*args):
-    out = subprocess.run([sys.executable, "-m", "rl_loop", *args], capture_output=True, text=True, check=True)
+    out = run_moerl(*args)
+    assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 

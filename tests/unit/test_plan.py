@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 
 import pytest
 
@@ -20,7 +19,7 @@ from rl_loop.plan.rates import Rates
 from rl_loop.plan.search import make_plan
 from rl_loop.plan.step_time import attention_seconds, compute_parts, host_copy_gbps, unmodelled_per_token_layer
 from rl_loop.plan.weights import WeightSyncSetup, lane_rates, loader_tensors, transfer_seconds
-from tests.conftest import ROOT, VENV_BIN
+from tests.conftest import ROOT, run_moerl
 
 RATES = Rates(ROOT / "benchmarks" / "results")  # the benchmarks' own files; the shipped copies: test_plan_rates
 # the CP benchmark's one-GPU H200 run (the planner reads no CP rate; the 2-GPU run is not measured yet)
@@ -145,8 +144,8 @@ def test_loader_tensors_count_the_checkpoint_and_the_measured_reloads(tiny_check
 
 
 def test_plan_weights_command_adds_the_apply_term():
-    out = subprocess.run([str(VENV_BIN / "moerl"), "plan", "weights", "--model", "kimi_k2", "--trainer-gpus", "128",
-                          "--ep", "8", "--inference-gpus", "256", "--json"], capture_output=True, text=True, timeout=60)
+    out = run_moerl("plan", "weights", "--model", "kimi_k2", "--trainer-gpus", "128", "--ep", "8",
+                    "--inference-gpus", "256", "--json")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     arch = load_arch("kimi_k2")
@@ -166,8 +165,7 @@ def test_weight_update_ways():
 
 
 def _plan_json(*flags: str) -> dict:
-    out = subprocess.run([str(VENV_BIN / "moerl"), "plan", "--model", "glm5", "--seq-len", "131072",
-                          "--trainer-gpus", "128", "--json", *flags], capture_output=True, text=True, timeout=60)
+    out = run_moerl("plan", "--model", "glm5", "--seq-len", "131072", "--trainer-gpus", "128", "--json", *flags)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     for name, rate in result["rates"].items():  # every rate names its results file and key (or the flag)

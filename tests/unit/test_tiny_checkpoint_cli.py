@@ -1,14 +1,12 @@
 """`moerl make-tiny-checkpoint --chat-template --warm-start-steps`: the tools config's checkpoint from the CLI."""
 
 import json
-import subprocess
 
-from tests.conftest import ROOT, VENV_BIN
+from tests.conftest import run_moerl
 
 
 def _make(*args):
-    return subprocess.run([str(VENV_BIN / "moerl"), "make-tiny-checkpoint", "--arch", "kimi_k2", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return run_moerl("make-tiny-checkpoint", "--arch", "kimi_k2", *args)
 
 
 def test_chat_template_and_warm_start_from_the_command_line(tmp_path):
