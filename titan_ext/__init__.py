@@ -10,32 +10,39 @@ the benchmarks and the test workers directly.
 
 from __future__ import annotations
 
+import functools
+
 import patches
-from patches import (
-    fsdp_gloo_sum_reduction,
-    torch_compiler_is_non_strict_tracing,
-    torch_distributed_set_timeout,
-    torch_fsdp_data_parallel_mesh_dims,
-    torch_grouped_mm_meta_dtype,
-    torchtitan_cpu_device,
-)
 
 from .hookspecs import ModelEntry, hookimpl
 
-TRAINER_PATCHES = (
-    torch_fsdp_data_parallel_mesh_dims.PATCH,  # first: torchtitan's import needs it on torch 2.11
-    torch_compiler_is_non_strict_tracing.PATCH,
-    torch_distributed_set_timeout.PATCH,
-    torchtitan_cpu_device.PATCH,
-    fsdp_gloo_sum_reduction.PATCH,
-    torch_grouped_mm_meta_dtype.PATCH,
-)
+
+def trainer_patches() -> tuple[patches.Patch, ...]:
+    """The trainer's patches, in the order they apply. Imported here, not at the top: they import
+    torch, which the commands that only read the model specs (`moerl plan`, `torchtitan list`) skip."""
+    from patches import (
+        fsdp_gloo_sum_reduction,
+        torch_compiler_is_non_strict_tracing,
+        torch_distributed_set_timeout,
+        torch_fsdp_data_parallel_mesh_dims,
+        torch_grouped_mm_meta_dtype,
+        torchtitan_cpu_device,
+    )
+
+    return (
+        torch_fsdp_data_parallel_mesh_dims.PATCH,  # first: torchtitan's import needs it on torch 2.11
+        torch_compiler_is_non_strict_tracing.PATCH,
+        torch_distributed_set_timeout.PATCH,
+        torchtitan_cpu_device.PATCH,
+        fsdp_gloo_sum_reduction.PATCH,
+        torch_grouped_mm_meta_dtype.PATCH,
+    )
 
 
 def activate() -> list[str]:
     """Apply the trainer's runtime patches that are needed here; returns the names applied now.
     Idempotent; raises `patches.PatchError` when upstream changed under one."""
-    return patches.activate(TRAINER_PATCHES)
+    return patches.activate(trainer_patches())
 
 
 @hookimpl
@@ -43,15 +50,21 @@ def torchtitan_activate() -> None:
     activate()
 
 
+def _trainer_config(name: str, flavor: str):
+    """TorchTitan's Trainer.Config of a model, importing TorchTitan only once a model is trained."""
+    from .train_config import trainer_config
+
+    return trainer_config(name, flavor)
+
+
 @hookimpl
 def torchtitan_register_models() -> dict[str, ModelEntry]:
     from .models import ARCHS
-    from .train_config import trainer_config
 
     return {
         name: ModelEntry(
             flavors=tuple(flavors),
-            trainer_config=lambda flavor, name=name: trainer_config(name, flavor),
+            trainer_config=functools.partial(_trainer_config, name),
             description=f"{flavors['full'].hf_architecture} layout (titan_ext)",
         )
         for name, flavors in ARCHS.items()

@@ -19,7 +19,6 @@ import pluggy
 import patches
 
 from . import hookspecs
-from .teardown import DESTROY_TOGETHER, exit_without_finalizing, together_on_destroy
 
 
 class ExtensionError(Exception):
@@ -43,7 +42,6 @@ def load_extensions(names: list[str]) -> pluggy.PluginManager:
                 f"{hookspecs.ENTRY_POINT_GROUP!r}: {listed}"
             )
         pm.register(found[name].load(), name=name)
-    pm.hook.torchtitan_activate()  # before anything imports TorchTitan
     return pm
 
 
@@ -57,14 +55,19 @@ def collect_models(pm: pluggy.PluginManager) -> dict[str, hookspecs.ModelEntry]:
     return models
 
 
-def build_config(pm: pluggy.PluginManager, model: str, flavor: str):
+def _selected(pm: pluggy.PluginManager, model: str, flavor: str) -> hookspecs.ModelEntry:
     models = collect_models(pm)
     if model not in models:
         raise ExtensionError(f"unknown model {model!r}; loaded extensions provide: {', '.join(sorted(models)) or 'none'}")
     entry = models[model]
     if flavor not in entry.flavors:
         raise ExtensionError(f"unknown flavor {flavor!r} for model {model!r}; it has: {', '.join(entry.flavors)}")
-    config = entry.trainer_config(flavor)
+    return entry
+
+
+def build_config(pm: pluggy.PluginManager, model: str, flavor: str):
+    """The model's Trainer.Config with every extension's imports and settings (after activation)."""
+    config = _selected(pm, model, flavor).trainer_config(flavor)
     for imports in pm.hook.torchtitan_override_imports():
         config.override.imports.extend(i for i in imports if i not in config.override.imports)
     pm.hook.torchtitan_configure(config=config, model=model, flavor=flavor)
@@ -138,7 +141,7 @@ def _main(args: list[str]) -> None:
     extensions = _take(args, "--extension", many=True)
     pm = load_extensions(extensions)
     wants_help = any(a in HELP_FLAGS for a in args)
-    if command == "list":
+    if command == "list":  # the registries only: nothing imports TorchTitan, nothing is patched
         if wants_help:
             print(USAGE.splitlines()[-1].strip(), "\n\nPrints the models (and their flavors) the extensions register.")
             return
@@ -146,6 +149,9 @@ def _main(args: list[str]) -> None:
             print(f"{name}: flavors {', '.join(entry.flavors)}  {entry.description}")
         return
     model, flavor = _take(args, "--model"), _take(args, "--flavor")
+    if model is not None:
+        _selected(pm, model, flavor or "full")  # a wrong name is one line before anything heavy runs
+    pm.hook.torchtitan_activate()  # before anything imports TorchTitan
     if wants_help:
         _print_launcher_help(pm)
     if model is None:
@@ -221,6 +227,8 @@ PATCHES = (PREBUILT_CONFIG,)
 
 def _run_torchtitan(args: list[str], config) -> None:
     """Run stock `torchtitan.train.main`, with our prebuilt config as the parse default."""
+    from .teardown import DESTROY_TOGETHER, exit_without_finalizing, together_on_destroy  # imports torch
+
     patches.activate([PREBUILT_CONFIG, DESTROY_TOGETHER])
     import torchtitan.train as tt_train
 

@@ -33,12 +33,14 @@ class ModelEntry:
 
 @hookspec
 def torchtitan_activate() -> None:
-    """Apply the runtime patches the extension needs; called once it is loaded, before TorchTitan is imported."""
+    """Apply the runtime patches the extension needs; called by `train` before TorchTitan is imported
+    (`list` reads the registries only and activates nothing)."""
 
 
 @hookspec
 def torchtitan_register_models() -> dict[str, ModelEntry]:
-    """Model name -> ModelEntry. Names must be unique across loaded extensions."""
+    """Model name -> ModelEntry, without importing TorchTitan (`list` calls it unpatched; the entry's
+    trainer_config builds the config, after activation). Names must be unique across loaded extensions."""
 
 
 @hookspec

@@ -1,8 +1,8 @@
 """titan_ext's model specs and their parameter counts by part.
 
 The architectures are titan_ext's own flavors (``titan_ext.models.glm5`` / ``kimi_k2``), the
-very definitions the trainer builds from, imported as any other module; importing them loads
-torch and TorchTitan through ``titan_ext.models`` (a few seconds), nothing is patched.
+very definitions the trainer builds from, imported as any other module: plain dataclasses, without
+torch or TorchTitan (``titan_ext.models`` imports those only to build a model), nothing patched.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def test_torchtitan_still_imports_data_parallel_mesh_dims_from_torch_fsdp():
         if "from torch.distributed.fsdp import DataParallelMeshDims" in p.read_text()
     ]
     assert "models/deepseek_v3/mtp.py" in importers, importers
-    assert titan_ext.TRAINER_PATCHES[0] is patch_mod.PATCH  # activated before anything imports torchtitan
+    assert titan_ext.trainer_patches()[0] is patch_mod.PATCH  # activated before anything imports torchtitan
     assert patch_mod.PATCH.needed() == (not hasattr(fsdp, "DataParallelMeshDims"))
     if patch_mod.PATCH.needed() is False:
         assert fsdp.DataParallelMeshDims is not patch_mod.DataParallelMeshDims  # torch's own, untouched

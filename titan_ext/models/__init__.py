@@ -7,16 +7,16 @@ else (checkpoint loading, parity, info) goes through `spec_from_arch` / `arch_fr
 
 from __future__ import annotations
 
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchtitan.protocols.model_spec import ModelSpec
+from typing import TYPE_CHECKING
 
 from . import glm5, kimi_k2, qwen3_moe
 from .arch import MLAMoEArch
-from .builder import AttnBackend, build_model_config
-from .parallelize import parallelize_mla
 from .qwen3_moe import Qwen3MoEArch
-from .state_dict_adapter import MLAMoEStateDictAdapter
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from .builder import AttnBackend
 
 Arch = MLAMoEArch | Qwen3MoEArch
 
@@ -61,12 +61,29 @@ def arch_from_hf_config(cfg: dict) -> Arch:
 
 def state_dict_adapter_cls(arch: Arch) -> type:
     """The HF <-> titan_ext state-dict adapter class of `arch`'s family."""
-    return qwen3_moe.Qwen3MoEStateDictAdapter if isinstance(arch, Qwen3MoEArch) else MLAMoEStateDictAdapter
+    if isinstance(arch, Qwen3MoEArch):
+        from .qwen3_moe.model import Qwen3MoEStateDictAdapter
+
+        return Qwen3MoEStateDictAdapter
+    from .state_dict_adapter import MLAMoEStateDictAdapter
+
+    return MLAMoEStateDictAdapter
 
 
 def spec_from_arch(name: str, flavor: str, arch: Arch, *, attn_backend: AttnBackend = "sdpa") -> ModelSpec:
+    """TorchTitan's ModelSpec of `arch`. TorchTitan is imported here, not with this package: the
+    registry above is all that `moerl plan` and `torchtitan list` read."""
     if isinstance(arch, Qwen3MoEArch):
-        return qwen3_moe.spec_from_arch(name, flavor, arch, attn_backend=attn_backend)
+        from .qwen3_moe.model import spec_from_arch as qwen3_moe_spec
+
+        return qwen3_moe_spec(name, flavor, arch, attn_backend=attn_backend)
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from .builder import build_model_config
+    from .parallelize import parallelize_mla
+
     return ModelSpec(
         name=name,
         flavor=flavor,
