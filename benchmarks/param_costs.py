@@ -46,7 +46,7 @@ def main() -> None:
 
     import titan_ext
 
-    titan_ext.activate()  # the trainer's patches, before rl_loop.plan imports the model specs (and torchtitan)
+    titan_ext.activate()  # the trainer's patches, before anything imports TorchTitan
     from rl_loop.plan.model import load_arch, param_counts
 
     n = param_counts(load_arch("kimi_k2", "bench")).total

@@ -266,7 +266,7 @@ class RLConfig:
 
     @model_validator(mode="after")
     def _context_parallel_model(self) -> RLConfig:
-        """titan_ext's rule (it imports TorchTitan, so only when context parallel is asked for)."""
+        """titan_ext's rule, checked when context parallel is asked for."""
         if self.train.context_parallel > 1:
             from titan_ext.models import check_context_parallel
 

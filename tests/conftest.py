@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -119,7 +120,9 @@ def run_moerl(*args: str) -> subprocess.CompletedProcess:
     For the commands that compute in one process (check-parity, info, make-tiny-checkpoint, plan): a
     `moerl` process spends 4-5 CPU-s importing torch, TorchTitan and transformers before it parses its
     arguments, which the test worker has imported already. The README's and docs/' commands still run
-    as processes (tests/unit/test_docs_commands.py), each command's --help too (test_cli_help.py)."""
+    as processes (tests/unit/test_docs_commands.py), each command's --help too (test_cli_help.py).
+    An uncaught exception is what the interpreter would make of it: its traceback on stderr, code 1.
+    Unlike a process: no timeout, and log handlers bound to the real stderr before the call write there."""
     from rl_loop.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -131,6 +134,9 @@ def run_moerl(*args: str) -> subprocess.CompletedProcess:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
+        except Exception:  # noqa: BLE001 - a crash is a result here, as a process's exit code 1 is
+            traceback.print_exc()
+            code = 1
     return subprocess.CompletedProcess(["moerl", *args], code, out.getvalue(), err.getvalue())
 
 

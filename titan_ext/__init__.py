@@ -1,6 +1,6 @@
 """titan_ext: the TorchTitan extension of moerl (`torchtitan train --extension titan_ext`).
 
-Registers the Kimi-K2 and GLM-5 model specs through the hooks in `hookspecs`. Importing
+Registers the Kimi-K2, GLM-5 and Qwen3-MoE model specs through the hooks in `hookspecs`. Importing
 it changes nothing upstream: `activate()` applies the runtime patches this TorchTitan/torch
 combination needs (`patches/`), and every entry into the trainer calls it before TorchTitan
 is imported (torchtitan 0.3.0 cannot even be imported on torch 2.11 without one of them):

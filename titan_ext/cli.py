@@ -55,19 +55,14 @@ def collect_models(pm: pluggy.PluginManager) -> dict[str, hookspecs.ModelEntry]:
     return models
 
 
-def _selected(pm: pluggy.PluginManager, model: str, flavor: str) -> hookspecs.ModelEntry:
+def build_config(pm: pluggy.PluginManager, model: str, flavor: str):
     models = collect_models(pm)
     if model not in models:
         raise ExtensionError(f"unknown model {model!r}; loaded extensions provide: {', '.join(sorted(models)) or 'none'}")
     entry = models[model]
     if flavor not in entry.flavors:
         raise ExtensionError(f"unknown flavor {flavor!r} for model {model!r}; it has: {', '.join(entry.flavors)}")
-    return entry
-
-
-def build_config(pm: pluggy.PluginManager, model: str, flavor: str):
-    """The model's Trainer.Config with every extension's imports and settings (after activation)."""
-    config = _selected(pm, model, flavor).trainer_config(flavor)
+    config = entry.trainer_config(flavor)
     for imports in pm.hook.torchtitan_override_imports():
         config.override.imports.extend(i for i in imports if i not in config.override.imports)
     pm.hook.torchtitan_configure(config=config, model=model, flavor=flavor)
@@ -148,10 +143,8 @@ def _main(args: list[str]) -> None:
         for name, entry in sorted(collect_models(pm).items()):
             print(f"{name}: flavors {', '.join(entry.flavors)}  {entry.description}")
         return
-    model, flavor = _take(args, "--model"), _take(args, "--flavor")
-    if model is not None:
-        _selected(pm, model, flavor or "full")  # a wrong name is one line before anything heavy runs
     pm.hook.torchtitan_activate()  # before anything imports TorchTitan
+    model, flavor = _take(args, "--model"), _take(args, "--flavor")
     if wants_help:
         _print_launcher_help(pm)
     if model is None:

@@ -33,14 +33,15 @@ class ModelEntry:
 
 @hookspec
 def torchtitan_activate() -> None:
-    """Apply the runtime patches the extension needs; called by `train` before TorchTitan is imported
-    (`list` reads the registries only and activates nothing)."""
+    """Apply the runtime patches the extension needs; called by `train` before anything else of the
+    extension runs (`list` reads the registries only and activates nothing)."""
 
 
 @hookspec
 def torchtitan_register_models() -> dict[str, ModelEntry]:
-    """Model name -> ModelEntry, without importing TorchTitan (`list` calls it unpatched; the entry's
-    trainer_config builds the config, after activation). Names must be unique across loaded extensions."""
+    """Model name -> ModelEntry, without importing TorchTitan: `list` calls it unpatched (the entry's
+    trainer_config, called by `train` after activation, is where TorchTitan comes in). Names must be
+    unique across loaded extensions."""
 
 
 @hookspec

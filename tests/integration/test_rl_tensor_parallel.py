@@ -9,7 +9,10 @@ holds when it scores them. Checked:
   by `auto`), and the run counts no failed sync;
 * every step's mismatch between the replica's logprobs and the trainer's (`k3_mean`) stays at
   the bf16 serving floor: a worker holding another worker's slices, or the previous version,
-  puts it two orders of magnitude higher (the off-policy steps of the main job are 0.01-0.4).
+  puts it two orders of magnitude higher (the off-policy steps of the main job are 0.01-0.4);
+* the run keeps `moerl rl`'s default placement (`auto`; the suite's other runs start unpinned,
+  tests/conftest.py says why): the trainer and the replica on the cores `rl_loop.placement` gives
+  them, one core set per TP worker in vLLM's thread binding.
 
 `tests/integration/test_weight_sync.py` checks TP=2 receivers against a fresh server tensor by
 tensor; this test checks that `moerl rl` reaches them.
@@ -23,6 +26,7 @@ import re
 import pytest
 import torch
 
+from rl_loop.placement import format_cpus, plan, replica_env
 from tests.conftest import ulp
 from tests.integration.test_rl_faults import _records, _run_to_end
 from titan_ext.tiny_assets import VOCAB_SIZE
@@ -37,11 +41,17 @@ def test_moerl_rl_updates_a_tp2_replica_from_two_trainer_ranks(tmp_path):
     rc, out = _run_to_end(run_dir, "--set", "inference.replicas=1", "--set", "inference.tensor_parallel=2",
                           "--set", "train.nproc=2", "--set", f"train.steps={STEPS}",
                           "--set", "train.checkpoint_interval=100", "--set", "rollout.max_off_policy_steps=0",
-                          "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4")
+                          "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4",
+                          "--set", "train.cpus=auto", "--set", "inference.cpus=auto")
     assert rc == 0, out[-4000:]
     assert "weight sync lane: shm" in out, out[-4000:]
 
     log = "".join(p.read_text() for p in sorted((run_dir / "replicas").glob("*.log")))
+    placement = plan("auto", "auto", 1)
+    if placement is not None:  # a machine of one core is not split
+        cores = placement.replicas[0]
+        assert f"cores: trainer {format_cpus(placement.trainer)}, replicas {format_cpus(cores)}" in out, out[-4000:]
+        assert f"VLLM_CPU_OMP_THREADS_BIND={replica_env(cores, 2)['VLLM_CPU_OMP_THREADS_BIND']!r}" in log
     applied = re.findall(r"version (\d+) applied \(sharded, TP rank (\d)/2, (\d) senders", log)
     assert sorted(set(applied)) == [(str(v), str(r), "2") for v in range(1, STEPS + 1) for r in (0, 1)], applied
 

@@ -1,7 +1,7 @@
 """Where the Triton kernel cases (`tests/unit/*_kernel_cases.py`) run, picked once per process.
 
 The same case files run two ways: under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
-set by the `tests/unit/test_*.py` that run them in a fresh process), and on a CUDA GPU with no
+set by `tests/unit/test_triton_interpreter.py`, which runs them in a fresh process), and on a CUDA GPU with no
 interpreter (`benchmarks.gpu_check`). Inputs are always made on the CPU from the same seeded
 generators and moved to `DEVICE`; the torch references run on the CPU, so both runs check the
 kernels against one reference, bit for bit the same, and results come back to the CPU to be

@@ -17,7 +17,6 @@ from titan_ext.models.block_fp8 import (
 from titan_ext.weights import hf_metadata, iter_hf_weights
 
 
-
 def _per_block(w: torch.Tensor, block=(128, 128)):
     """The format's definition, one block at a time (vLLM's per_block_cast_to_fp8 rounding)."""
     m, n = w.shape

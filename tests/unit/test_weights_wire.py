@@ -257,14 +257,15 @@ def test_shm_killed_sender_is_detected_and_its_ring_removed():
     assert not path.exists(), "the receiver removes the ring its dead sender left"
 
 
-def test_a_sender_gone_before_the_receiver_joins_fails_the_join_at_once():
-    """Its store no longer listens: the receiver gives up after the connect timeout, not
-    after the update's operation timeout (120 s here)."""
+def test_a_sender_gone_before_the_receiver_joins_fails_the_join_at_once(monkeypatch):
+    """Its store no longer listens: the receiver gives up after the connect timeout (5 s, here
+    shortened to 1 s), not after the update's operation timeout (120 s here)."""
     import socket
     import time
 
-    from vllm_ext.transport.channel import CONNECT_TIMEOUT_S
+    from vllm_ext.transport import channel
 
+    monkeypatch.setattr(channel, "CONNECT_TIMEOUT_S", 1.0)
     with socket.socket() as sock:  # a port nothing listens on any more
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -272,7 +273,7 @@ def test_a_sender_gone_before_the_receiver_joins_fails_the_join_at_once():
     with pytest.raises(WeightUpdateError, match=f"cannot reach the sender at 127.0.0.1:{port}"):
         stream_receive(transport="stream", version=3, addr="127.0.0.1", port=port, rank=1, world_size=2,
                        timeout_s=120.0, session="3-0", sender="gone", shm=None)
-    assert time.monotonic() - t0 < 4 * CONNECT_TIMEOUT_S + 20  # c10d may retry the connect once; was 120 s
+    assert time.monotonic() - t0 < 4 * channel.CONNECT_TIMEOUT_S + 20  # c10d may retry the connect once; was 120 s
 
 
 def _ring_owner(q):
