@@ -73,22 +73,22 @@ def state_dict_adapter_cls(arch: Arch) -> type:
 def spec_from_arch(name: str, flavor: str, arch: Arch, *, attn_backend: AttnBackend = "sdpa") -> ModelSpec:
     """TorchTitan's ModelSpec of `arch`. TorchTitan is imported here, not with this package: the
     registry above is all that `moerl plan` and `torchtitan list` read."""
-    if isinstance(arch, Qwen3MoEArch):
-        from .qwen3_moe.model import spec_from_arch as qwen3_moe_spec
-
-        return qwen3_moe_spec(name, flavor, arch, attn_backend=attn_backend)
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.protocols.model_spec import ModelSpec
 
-    from .builder import build_model_config
-    from .parallelize import parallelize_mla
+    if isinstance(arch, Qwen3MoEArch):
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3 as parallelize
 
+        from .qwen3_moe.model import build_model_config
+    else:
+        from .builder import build_model_config
+        from .parallelize import parallelize_mla as parallelize
     return ModelSpec(
         name=name,
         flavor=flavor,
         model=build_model_config(arch, attn_backend=attn_backend),
-        parallelize_fn=parallelize_mla,
+        parallelize_fn=parallelize,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=state_dict_adapter_cls(arch),

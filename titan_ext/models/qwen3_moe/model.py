@@ -12,16 +12,12 @@ transformers to rounding and `moerl check-parity --model qwen3_moe` holds at 1e-
 
 from __future__ import annotations
 
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import derive
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
 from torchtitan.models.qwen3.model import Qwen3Model
-from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-from torchtitan.protocols.model_spec import ModelSpec
 
 from ...replay import replay_router
 from ..experts import NativeDtypeGroupedExperts
@@ -81,16 +77,4 @@ class Qwen3MoEStateDictAdapter(Qwen3StateDictAdapter):
     check_hf_shapes = MLAMoEStateDictAdapter.check_hf_shapes
 
 
-def spec_from_arch(name: str, flavor: str, arch: Qwen3MoEArch, *, attn_backend: str = "sdpa") -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        flavor=flavor,
-        model=build_model_config(arch, attn_backend=attn_backend),
-        parallelize_fn=parallelize_qwen3,
-        pipelining_fn=pipeline_llm,
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
-        state_dict_adapter=Qwen3MoEStateDictAdapter,
-    )
-
-
-__all__ = ["Qwen3MoEStateDictAdapter", "build_model_config", "spec_from_arch"]
+__all__ = ["Qwen3MoEStateDictAdapter", "build_model_config"]
